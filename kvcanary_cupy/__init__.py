@@ -1,0 +1,32 @@
+"""kvcanary_cupy: a KV-cache integrity monitor for LLM inference engines.
+
+A 32-byte canary record per KV slot; ``write`` stamps the records of the tokens a
+step writes, ``verify`` checks every record a step reads against the engine's own
+tables, and violations land in a device-side ring read without stalling.
+
+``import kvcanary_cupy`` imports neither CuPy, PyTorch nor JAX.
+"""
+from .arrays import as_view
+from .canary import CanaryBuffer, RealKvSource
+from .format import (ANCHOR, ANCHOR_HASH, FailReason, LaunchTag, RealKvMode, chain_links, make_records,
+                     mix3, next_link, splitmix64)
+from .ops import plan, scatter_expected_tokens, verify, write
+from .plans import ExpectedTokens, FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
+from .violations import Violation, ViolationLog
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ANCHOR", "ANCHOR_HASH", "CanaryBuffer", "ExpectedTokens", "FailReason", "FingerprintSampler", "LaunchTag",
+    "RealKvMode", "RealKvSource", "SwaWindow", "VerifyPlan", "Violation", "ViolationLog", "WritePlan",
+    "as_view", "chain_links", "make_records", "mix3", "next_link", "plan", "scatter_expected_tokens",
+    "splitmix64", "verify", "write",
+]
+
+
+def __getattr__(name):
+    if name == "KvCanary":  # the monitor pulls in more; load it on first use
+        from .monitor import KvCanary  # noqa: PLC0415
+
+        return KvCanary
+    raise AttributeError(f"module 'kvcanary_cupy' has no attribute {name!r}")

@@ -1,0 +1,358 @@
+"""The NumPy reference backend: the oracle the CUDA kernels are checked against.
+
+Vectorized over batch rows and plan entries; only the write chain, which is
+serial within a row by definition, loops over token index (all rows at once).
+Every index that comes from data is range-checked before it is used, so bad data
+becomes a counted input error or a SLOT_OUT_OF_RANGE violation, never an
+IndexError or a wrong read.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import format as fmt
+from ..format import FailReason, RealKvMode
+
+_I64 = np.int64
+_U64 = np.uint64
+_ANCHOR_HASH = _U64(fmt.ANCHOR_HASH)
+_FP_BLOCK = 1 << 16  # entries fingerprinted per block, to bound temporary memory
+
+
+# --- helpers -----------------------------------------------------------------
+def _u(a):
+    return np.asarray(a, dtype=_I64).view(_U64)
+
+
+def _link_of(records: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """next_link(record(slot)) for in-range slots (uint64)."""
+    r = records[slots]
+    return fmt.mix3(_u(r[:, fmt.FIELD_LINK]), _u(r[:, fmt.FIELD_TOKEN]), _u(r[:, fmt.FIELD_POSITION]))
+
+
+def _append(log, rows: list[np.ndarray]) -> None:
+    """Append violation rows to the ring; rows past its capacity are dropped and counted."""
+    if not rows:
+        return
+    block = np.concatenate([np.atleast_2d(r) for r in rows], axis=0).astype(_I64, copy=False)
+    if block.shape[0] == 0:
+        return
+    head = int(log.head[0])
+    cap = log.ring.shape[0]
+    keep = max(0, min(block.shape[0], cap - head))
+    if keep:
+        log.ring[head:head + keep] = block[:keep]
+    log.head[0] = head + block.shape[0]
+
+
+def _rows(n, **cols) -> np.ndarray:
+    out = np.empty((n, fmt.VIOLATION_WORDS), dtype=_I64)
+    for i, name in enumerate(fmt.VIOLATION_COLUMNS):
+        out[:, i] = cols[name]
+    return out
+
+
+def fingerprints(sources, mode, slots) -> np.ndarray:
+    """Real-KV fingerprints (uint64 ``[n]``) of in-range ``slots`` for ``sources``."""
+    slots = np.asarray(slots, dtype=_I64)
+    r = np.zeros(slots.shape[0], dtype=_U64)
+    if mode == RealKvMode.NONE or not sources:
+        return r
+    for lo in range(0, slots.shape[0], _FP_BLOCK):
+        s = slots[lo:lo + _FP_BLOCK]
+        acc = np.zeros(s.shape[0], dtype=_U64)
+        for src in sources:
+            eff = fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else src.read_bytes
+            for layer in range(src.num_layers):
+                words = src.data[layer].view(_U64).reshape(-1, src.bytes_per_token // 8)
+                acc = fmt.splitmix64(acc ^ fmt.fold_chunks(words[s, : eff // 8]))
+        r[lo:lo + _FP_BLOCK] = acc
+    return r
+
+
+# --- plan --------------------------------------------------------------------
+def _translate(vals: np.ndarray, lut) -> tuple[np.ndarray, np.ndarray]:
+    """Apply the SWA LUT; returns (slots, bad) with bad marking unreadable lookups."""
+    bad = vals < 0
+    if lut is None:
+        return vals, bad
+    inside = (vals >= 0) & (vals < lut.shape[0])
+    out = np.full(vals.shape, -1, dtype=_I64)
+    out[inside] = lut[vals[inside]]
+    return out, bad | ~inside | (out < 0)
+
+
+def _slots_at(table, page_size, rows, pos, lut):
+    """T(table(rp, pos)) for arrays rows/pos already known to be inside the table."""
+    vals = table[rows, pos // page_size].astype(_I64)
+    if page_size != 1:
+        vals = np.where(vals < 0, vals, vals * _I64(page_size) + pos % page_size)
+    return _translate(vals, lut)
+
+
+def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected, stream=None):
+    bs = req_pool_indices.shape[0]
+    rp = req_pool_indices.astype(_I64)
+    P = prefix_lens[:bs].astype(_I64)
+    E = extend_lens[:bs].astype(_I64)
+    nreq, twidth = table.shape
+    width = twidth * page_size
+    lut = swa.lut if swa is not None else None
+
+    active = rp != fmt.PADDING_REQ
+    ok = active & (rp > 0) & (rp < nreq) & (P >= 0) & (E >= 0) & (P <= width) & (E <= width - np.maximum(P, 0))
+    if expected is not None:
+        ok &= rp < expected.table.shape[0]
+    start = np.maximum(P - swa.size, 0) if swa is not None else np.zeros_like(P)
+    count = np.where(ok, P - start, 0)
+
+    # Entries of all structurally valid rows, then drop rows with an unreadable slot.
+    row_of = np.repeat(np.arange(bs, dtype=_I64), count)
+    first = np.concatenate(([0], np.cumsum(count)))[:-1]
+    pos = np.arange(row_of.shape[0], dtype=_I64) - first[row_of] + start[row_of]
+    rrow = rp[row_of]
+    slot, bad = _slots_at(table, page_size, rrow, pos, lut)
+    has_prev = pos > 0
+    prev = np.full(pos.shape, -1, dtype=_I64)
+    ps, pbad = _slots_at(table, page_size, rrow[has_prev], pos[has_prev] - 1, lut)
+    prev[has_prev] = ps
+    bad[has_prev] |= pbad
+    row_bad = np.zeros(bs, dtype=bool)
+    row_bad[row_of[bad]] = True
+
+    W = np.where(ok, E, 0)
+    wants_seed = ok & (P > 0) & (W > 0)
+    seed = np.full(bs, -1, dtype=_I64)
+    idx = np.nonzero(wants_seed)[0]
+    sv, sbad = _slots_at(table, page_size, rp[idx], P[idx] - 1, lut)
+    seed[idx] = sv
+    row_bad[idx[sbad]] = True
+
+    ok &= ~row_bad
+    errors = int(np.count_nonzero(active & ~ok))
+    keep = ok[row_of]
+    count = np.where(ok, count, 0)
+    W = np.where(ok, W, 0)
+    seed = np.where(ok, seed, -1)
+
+    if vp is not None:
+        total = int(count.sum())
+        cap = vp.capacity
+        offs = np.concatenate(([0], np.cumsum(count)))
+        vp.offsets[: bs + 1] = offs
+        vp.offsets[bs + 1:] = total
+        vp.requested[0] = total
+        vp.num_valid[0] = min(total, cap)
+        vp.enable[0] = 1 if total <= cap else 0
+        vp.input_errors[0] += errors
+        if total <= cap:
+            e_row, e_pos = row_of[keep], pos[keep]
+            vp.slot_indices[:total] = slot[keep]
+            vp.prev_slot_indices[:total] = prev[keep]
+            vp.expected_positions[:total] = e_pos
+            tok = np.full(total, -1, dtype=_I64)
+            if expected is not None:
+                k = e_pos + expected.offset
+                lim = np.minimum(expected.valid_lens[:bs].astype(_I64)[e_row], expected.table.shape[1])
+                m = (k >= 0) & (k < lim)
+                tok[m] = expected.table[rp[e_row[m]], k[m]]
+            vp.expected_tokens[:total] = tok
+    if wp is not None:
+        offs = np.concatenate(([0], np.cumsum(W)))
+        wp.offsets[: bs + 1] = offs
+        wp.offsets[bs + 1:] = offs[-1]
+        wp.seed_slots[:bs] = seed
+        wp.seed_slots[bs:] = -1
+        wp.num_rows[0] = bs
+        wp.input_errors[0] += errors
+
+
+# --- write -------------------------------------------------------------------
+def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode,
+          expected_tokens, expected_positions, stream=None):
+    rec = canary.records
+    N = rec.shape[0]
+    nrows = int(wp.num_rows[0])
+    offs = wp.offsets[: nrows + 1].astype(_I64)
+    seeds = wp.seed_slots[:nrows].astype(_I64)
+    log.counter_array[fmt.CTR_KERNEL_RUNS] += 1
+    if nrows == 0:
+        return
+    o0, o1 = offs[:-1], offs[1:]
+    avail = min([a.shape[0] for a in (input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
+                 if a is not None])
+    out = []
+
+    span_bad = (o0 < 0) | (o1 > avail)
+    seed_bad = ~span_bad & ((seeds < -1) | (seeds >= N))
+    if span_bad.any():
+        r = np.nonzero(span_bad)[0]
+        out.append(_rows(r.shape[0], tag=tag, slot=-1, position=-1, stored_token=-1, expected_token=-1,
+                         stored_link=0, expected_link=0, fail_bits=int(FailReason.INPUT_OUT_OF_RANGE),
+                         batch_row=r, expected_position=-1))
+    if seed_bad.any():
+        r = np.nonzero(seed_bad)[0]
+        out.append(_rows(r.shape[0], tag=tag, slot=seeds[r], position=-1, stored_token=-1, expected_token=-1,
+                         stored_link=0, expected_link=0, fail_bits=int(FailReason.SLOT_OUT_OF_RANGE),
+                         batch_row=r, expected_position=-1))
+    live = np.nonzero(~span_bad & ~seed_bad & (o1 > o0))[0]
+    if live.shape[0] == 0:
+        _append(log, out)
+        return
+
+    # Chain state per live row, seeded from the seed record.
+    sd = seeds[live]
+    has_seed = sd >= 0
+    running = np.full(live.shape[0], _ANCHOR_HASH, dtype=_U64)
+    prev_pos = np.zeros(live.shape[0], dtype=_I64)
+    if has_seed.any():
+        running[has_seed] = _link_of(rec, sd[has_seed])
+        prev_pos[has_seed] = rec[sd[has_seed], fmt.FIELD_POSITION]
+    has_prev = has_seed.copy()
+    check_pos = bool(wp.position_check[0])
+
+    # Gather every token of every live row up front; the loop only runs the chain.
+    lens = (o1 - o0)[live]
+    row_l = np.repeat(np.arange(live.shape[0]), lens)
+    j_of = np.arange(row_l.shape[0]) - np.repeat(np.cumsum(lens) - lens, lens)
+    tok_idx = o0[live][row_l] + j_of
+    loc = out_cache_loc[tok_idx].astype(_I64)
+    toks = input_ids[tok_idx].astype(_I64)
+    poss = positions[tok_idx].astype(_I64)
+    stored_link = np.zeros(row_l.shape[0], dtype=_U64)
+    stored = np.zeros(row_l.shape[0], dtype=bool)
+    pos_bad = np.zeros(row_l.shape[0], dtype=bool)
+    exp_pos_col = np.full(row_l.shape[0], -1, dtype=_I64)
+    # Token index of (row, j) is start[row] + j: iterate j across all rows at once.
+    start = np.cumsum(lens) - lens
+    for j in range(int(lens.max())):
+        rows_j = np.nonzero(lens > j)[0]
+        t = start[rows_j] + j
+        s = loc[t]
+        go = s >= 0
+        rows_j, t = rows_j[go], t[go]
+        if rows_j.shape[0] == 0:
+            continue
+        p = poss[t]
+        if check_pos:
+            hp = has_prev[rows_j]
+            pb = hp & (p != prev_pos[rows_j] + 1)
+            pos_bad[t] = pb
+            exp_pos_col[t[hp]] = prev_pos[rows_j[hp]] + 1
+        stored_link[t] = running[rows_j]
+        stored[t] = True
+        running[rows_j] = fmt.mix3(running[rows_j], _u(toks[t]), _u(p))
+        prev_pos[rows_j] = p
+        has_prev[rows_j] = True
+
+    bits = np.zeros(row_l.shape[0], dtype=_I64)
+    bits[pos_bad] |= int(FailReason.WRITE_POSITION)
+    exp_tok_col = np.full(row_l.shape[0], -1, dtype=_I64)
+    if expected_tokens is not None:
+        et = expected_tokens[tok_idx].astype(_I64)
+        exp_tok_col = et
+        bits[stored & (et != -1) & (et != toks)] |= int(FailReason.WRITE_TOKEN)
+    if expected_positions is not None:
+        ep = expected_positions[tok_idx].astype(_I64)
+        has = ep != -1
+        exp_pos_col = np.where(has, ep, exp_pos_col)
+        bits[stored & has & (ep != poss)] |= int(FailReason.WRITE_POSITION)
+    oor = stored & (loc >= N)
+    bits[oor] |= int(FailReason.SLOT_OUT_OF_RANGE)
+    store = stored & ~oor
+    sl = loc[store]
+    if sl.shape[0]:
+        rec[sl, fmt.FIELD_TOKEN] = toks[store]
+        rec[sl, fmt.FIELD_POSITION] = poss[store]
+        rec[sl, fmt.FIELD_LINK] = stored_link[store].view(_I64)
+        rec[sl, fmt.FIELD_FINGERPRINT] = fingerprints(sources, mode, sl).view(_I64)
+    log.counter_array[fmt.CTR_SLOTS_WRITTEN] += int(sl.shape[0])
+
+    v = np.nonzero(bits)[0]
+    if v.shape[0]:
+        link = stored_link[v].view(_I64)
+        out.append(_rows(v.shape[0], tag=tag, slot=loc[v], position=poss[v], stored_token=toks[v],
+                         expected_token=exp_tok_col[v], stored_link=link, expected_link=link,
+                         fail_bits=bits[v], batch_row=live[row_l[v]], expected_position=exp_pos_col[v]))
+    _append(log, out)
+
+
+# --- verify ------------------------------------------------------------------
+def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample, stream=None):
+    rec = canary.records
+    N = rec.shape[0]
+    log.counter_array[fmt.CTR_KERNEL_RUNS] += 1
+    phase = None
+    if sample is not None:
+        phase = int(sample.state[0]) % sample.period
+        sample.state[0] += 1
+    n = int(vp.num_valid[0]) if int(vp.enable[0]) == 1 else 0
+    n = max(0, min(n, vp.capacity))
+    if n == 0:
+        return
+    slot = vp.slot_indices[:n].astype(_I64)
+    prev = vp.prev_slot_indices[:n].astype(_I64)
+    epos = vp.expected_positions[:n].astype(_I64)
+    etok = vp.expected_tokens[:n].astype(_I64)
+    live = slot != fmt.RESERVED_SLOT
+    log.counter_array[fmt.CTR_SLOTS_CHECKED] += int(np.count_nonzero(live))
+    oor = live & ((slot < 0) | (slot >= N) | (prev < -1) | (prev >= N))
+    chk = np.nonzero(live & ~oor)[0]
+    s = slot[chk]
+    r = rec[s]
+    p = prev[chk]
+    exp_link = np.full(chk.shape[0], _ANCHOR_HASH, dtype=_U64)
+    linked = p > 0
+    exp_link[linked] = _link_of(rec, p[linked])
+    stored_link = _u(r[:, fmt.FIELD_LINK])
+    exp_link[p == 0] = stored_link[p == 0]  # padding predecessor: chain not checked
+    bits = np.zeros(chk.shape[0], dtype=_I64)
+    bits[stored_link != exp_link] |= int(FailReason.CHAIN)
+    bits[r[:, fmt.FIELD_POSITION] != epos[chk]] |= int(FailReason.POSITION)
+    if check_tokens:
+        et = etok[chk]
+        bits[(et != -1) & (r[:, fmt.FIELD_TOKEN] != et)] |= int(FailReason.TOKEN)
+    fp_sel = np.ones(chk.shape[0], dtype=bool) if phase is None else (s % sample.period) == phase
+    if fp_sel.any():
+        fp = fingerprints(sources, mode, s[fp_sel])
+        bad_fp = np.zeros(chk.shape[0], dtype=bool)
+        bad_fp[fp_sel] = _u(r[fp_sel, fmt.FIELD_FINGERPRINT]) != fp
+        bits[bad_fp] |= int(FailReason.REAL_KV)
+
+    out = []
+    e_oor = np.nonzero(oor)[0]
+    if e_oor.shape[0]:
+        out.append(_rows(e_oor.shape[0], tag=tag, slot=slot[e_oor], position=-1, stored_token=-1,
+                         expected_token=etok[e_oor], stored_link=0, expected_link=0,
+                         fail_bits=int(FailReason.SLOT_OUT_OF_RANGE),
+                         batch_row=_batch_rows(vp, e_oor), expected_position=epos[e_oor]))
+    v = np.nonzero(bits)[0]
+    if v.shape[0]:
+        e = chk[v]
+        out.append(_rows(v.shape[0], tag=tag, slot=s[v], position=r[v, fmt.FIELD_POSITION],
+                         stored_token=r[v, fmt.FIELD_TOKEN], expected_token=etok[e],
+                         stored_link=stored_link[v].view(_I64), expected_link=exp_link[v].view(_I64),
+                         fail_bits=bits[v], batch_row=_batch_rows(vp, e), expected_position=epos[e]))
+    if len(out) == 2:  # keep entry order, as a reader of the CPU log would expect
+        both = np.concatenate(out)
+        order = np.argsort(np.concatenate([e_oor, chk[v]]), kind="stable")
+        out = [both[order]]
+    _append(log, out)
+
+
+def _batch_rows(vp, entries: np.ndarray) -> np.ndarray:
+    """The batch row of each entry, from the plan's offsets (only on violations)."""
+    return np.searchsorted(vp.offsets.astype(_I64), entries, side="right") - 1
+
+
+# --- scatter_expected_tokens -------------------------------------------------
+def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=None):
+    nreq, width = table.shape
+    ntok = tokens.shape[0]
+    for r in range(req_pool_indices.shape[0]):
+        rp = int(req_pool_indices[r])
+        a, b = int(offsets[r]), int(offsets[r + 1])
+        if rp == fmt.PADDING_REQ or rp < 0 or rp >= nreq or a < 0 or b > ntok or b <= a:
+            continue
+        n = min(b - a, width)
+        table[rp, :n] = tokens[a:a + n]

@@ -1,0 +1,135 @@
+"""CanaryBuffer (the records) and RealKvSource (a byte view of a KV pool)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import arrays
+from .format import KV_CHUNK_BYTES, RECORD_WORDS
+
+
+@dataclass(frozen=True, eq=False)
+class CanaryBuffer:
+    """One 32-byte record per KV slot.
+
+    Attributes:
+        records: int64 ``[num_slots, 4]`` (token, position, link, fingerprint),
+            NumPy on ``"cpu"``, CuPy on CUDA. A new buffer is zeros.
+
+    Example::
+
+        >>> canary = CanaryBuffer.allocate(num_slots=1024, device="cpu")
+        >>> canary.records.shape
+        (1024, 4)
+    """
+
+    records: object
+
+    def __post_init__(self):
+        r = arrays.as_array(self.records, "records", dtypes=arrays.INT64, ndim=2)
+        if r.shape[1] != RECORD_WORDS:
+            raise ValueError(f"kvcanary: records: expected shape [num_slots, {RECORD_WORDS}], got {tuple(r.shape)}")
+        if r.shape[0] < 1:
+            raise ValueError("kvcanary: records: expected at least one slot (slot 0 is reserved)")
+        object.__setattr__(self, "records", r)
+
+    @classmethod
+    def allocate(cls, *, num_slots: int, device: str = "cpu") -> "CanaryBuffer":
+        if int(num_slots) < 1:
+            raise ValueError(f"kvcanary: num_slots: expected >= 1, got {num_slots}")
+        return cls(arrays.empty((int(num_slots), RECORD_WORDS), np.int64, device, fill=0))
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.records.shape[0])
+
+    @property
+    def device(self) -> str:
+        return arrays.device_of(self.records)
+
+    def host_records(self) -> np.ndarray:
+        """A NumPy copy of the records (synchronizes on CUDA)."""
+        return np.array(arrays.to_host(self.records), copy=True)
+
+
+class RealKvSource:
+    """A byte view of (part of) a KV pool whose bytes are fingerprinted.
+
+    Slot ``s`` lives at row ``s // page_size``, byte ``(s % page_size) * bytes_per_token``
+    of each layer; the first ``read_bytes`` bytes of it are hashed (16 in PARTIAL mode).
+
+    Args:
+        tensor: a C-contiguous array of any dtype (bf16 and fp8 included), imported
+            zero copy. With ``layer_axis=True`` its first axis is the layer.
+        page_size: slots per row of the pool (1 for a token-level pool).
+        bytes_per_token: bytes of one slot in one layer; a multiple of 16.
+        read_bytes: bytes of a slot that ALL mode hashes; a multiple of 16,
+            ``<= bytes_per_token``. Default: ``bytes_per_token``.
+        layer_axis: the tensor's first axis holds layers; each counts as one
+            source, in layer order.
+
+    Example::
+
+        >>> import numpy as np
+        >>> k_pool = np.zeros((2, 64, 8, 16), dtype=np.float16)  # [layers, slots, heads, dim]
+        >>> src = RealKvSource(k_pool, page_size=1, bytes_per_token=256, layer_axis=True)
+        >>> src.num_layers, src.num_slots
+        (2, 64)
+    """
+
+    __slots__ = ("data", "page_size", "bytes_per_token", "read_bytes", "num_layers", "layer_bytes")
+
+    def __init__(self, tensor, page_size: int = 1, bytes_per_token: int | None = None,
+                 read_bytes: int | None = None, *, layer_axis: bool = False):
+        flat = arrays.as_byte_view(tensor, "tensor")
+        num_layers = _leading_dim(tensor) if layer_axis else 1
+        if num_layers < 1 or flat.shape[0] % num_layers:
+            raise ValueError(f"kvcanary: tensor: a layer axis of {num_layers} does not divide {flat.shape[0]} bytes")
+        page_size = int(page_size)
+        if page_size < 1:
+            raise ValueError(f"kvcanary: page_size: expected >= 1, got {page_size}")
+        if bytes_per_token is None:
+            raise ValueError("kvcanary: bytes_per_token: expected the bytes of one slot (a multiple of 16), got None")
+        bpt = int(bytes_per_token)
+        rb = bpt if read_bytes is None else int(read_bytes)
+        if bpt <= 0 or bpt % KV_CHUNK_BYTES:
+            raise ValueError(f"kvcanary: bytes_per_token: expected a positive multiple of 16, got {bpt}")
+        if rb <= 0 or rb % KV_CHUNK_BYTES or rb > bpt:
+            raise ValueError(f"kvcanary: read_bytes: expected a positive multiple of 16 <= bytes_per_token ({bpt}), got {rb}")
+        layer_bytes = flat.shape[0] // num_layers
+        row_bytes = page_size * bpt
+        if layer_bytes % row_bytes:
+            raise ValueError(
+                f"kvcanary: tensor: {layer_bytes} bytes per layer is not a whole number of rows of "
+                f"page_size * bytes_per_token = {row_bytes} bytes"
+            )
+        if arrays.data_ptr(flat) % KV_CHUNK_BYTES:
+            raise ValueError("kvcanary: tensor: its data must be 16-byte aligned for the fingerprint's 16-byte loads")
+        self.data = flat.reshape(num_layers, layer_bytes)
+        self.page_size = page_size
+        self.bytes_per_token = bpt
+        self.read_bytes = rb
+        self.num_layers = num_layers
+        self.layer_bytes = layer_bytes
+
+    @property
+    def num_slots(self) -> int:
+        """Slots the pool holds per layer."""
+        return (self.layer_bytes // (self.page_size * self.bytes_per_token)) * self.page_size
+
+    @property
+    def device(self) -> str:
+        return arrays.device_of(self.data)
+
+    def __repr__(self) -> str:
+        return (f"RealKvSource(num_slots={self.num_slots}, page_size={self.page_size}, "
+                f"bytes_per_token={self.bytes_per_token}, read_bytes={self.read_bytes}, "
+                f"num_layers={self.num_layers}, device={self.device!r})")
+
+
+def _leading_dim(tensor) -> int:
+    shape = getattr(tensor, "shape", None)
+    if not shape:
+        raise ValueError("kvcanary: tensor: layer_axis=True needs an array with at least one axis")
+    return int(shape[0])

@@ -1,0 +1,202 @@
+"""The canary record format (v1): constants, reasons, hashes, chain helpers.
+
+This module is the Python twin of ``kernels_cu/kvcanary_common.cuh``; the test
+``tests/test_format.py`` parses that header and keeps both sides equal.
+
+Hashes are computed in uint64 arithmetic that wraps; records store them bit for
+bit as int64.
+"""
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+# --- record layout -----------------------------------------------------------
+RECORD_WORDS = 4  # int64 words per record
+RECORD_BYTES = 32
+FIELD_TOKEN = 0
+FIELD_POSITION = 1
+FIELD_LINK = 2
+FIELD_FINGERPRINT = 3
+RESERVED_SLOT = 0  # engines park padding tokens here; never verified
+PADDING_REQ = 0  # request-table row 0 is the padding row of a batch
+
+# --- hash constants ----------------------------------------------------------
+SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
+SPLITMIX_MUL2 = 0x94D049BB133111EB
+ANCHOR = 0xC0FFEE1234567890
+ANCHOR_HASH = 0xDE7FAE23A9A1B716  # splitmix64(ANCHOR); checked by the tests
+KV_CHUNK_BYTES = 16  # the real-KV fold consumes 16-byte chunks
+
+# --- violation ring layout ---------------------------------------------------
+VIOLATION_COLUMNS = (
+    "tag",
+    "slot",
+    "position",
+    "stored_token",
+    "expected_token",
+    "stored_link",
+    "expected_link",
+    "fail_bits",
+    "batch_row",
+    "expected_position",
+)
+VIOLATION_WORDS = len(VIOLATION_COLUMNS)  # 10
+COL_TAG = 0
+COL_SLOT = 1
+COL_POSITION = 2
+COL_STORED_TOKEN = 3
+COL_EXPECTED_TOKEN = 4
+COL_STORED_LINK = 5
+COL_EXPECTED_LINK = 6
+COL_FAIL_BITS = 7
+COL_BATCH_ROW = 8
+COL_EXPECTED_POSITION = 9
+
+# --- log counters ------------------------------------------------------------
+COUNTER_NAMES = ("kernel_runs", "slots_checked", "slots_written")
+NUM_COUNTERS = len(COUNTER_NAMES)
+CTR_KERNEL_RUNS = 0
+CTR_SLOTS_CHECKED = 1
+CTR_SLOTS_WRITTEN = 2
+
+
+class FailReason(enum.IntFlag):
+    """Why a record failed. Bits 1..32 mean the same as in SGLang's KV canary."""
+
+    NONE = 0
+    CHAIN = 1  # the stored link differs from the one derived from the predecessor
+    POSITION = 2  # the stored position differs from the planned one
+    REAL_KV = 4  # the fingerprint of the live K/V bytes differs from the stored one
+    WRITE_TOKEN = 8  # a written token differs from the expected input
+    WRITE_POSITION = 16  # a written position is not the expected / previous + 1
+    TOKEN = 32  # the stored token differs from the expected token
+    SLOT_OUT_OF_RANGE = 64  # a slot outside the canary buffer (never read)
+    INPUT_OUT_OF_RANGE = 128  # write inputs shorter than the write plan needs
+
+    def describe(self) -> str:
+        names = [m.name.lower() for m in FailReason if m and m in self]
+        return "+".join(names) if names else "none"
+
+
+FAIL_BITS = {m.name: int(m) for m in FailReason if m}
+
+
+class RealKvMode(enum.IntEnum):
+    """How much of each slot's real K/V bytes the fingerprint covers."""
+
+    NONE = 0  # no fingerprint (stored as 0)
+    PARTIAL = 1  # the first 16 bytes of each source
+    ALL = 2  # read_bytes of each source
+
+
+class LaunchTag(enum.IntEnum):
+    """Names the launch that wrote a violation row. Any int64 is a valid tag."""
+
+    VERIFY = 1
+    WRITE = 2
+    VERIFY_AFTER = 3
+    VERIFY_SWA = 4
+    WRITE_SWA = 5
+    SWEEP = 6
+    VERIFY_DRAFT = 7
+    WRITE_DRAFT = 8
+
+
+# --- hashes ------------------------------------------------------------------
+_U64 = np.uint64
+_MUL1 = _U64(SPLITMIX_MUL1)
+_MUL2 = _U64(SPLITMIX_MUL2)
+_S30, _S27, _S31 = _U64(30), _U64(27), _U64(31)
+
+
+def as_u64(x) -> np.ndarray:
+    """Reinterpret ints / int64 arrays as uint64 (-1 -> 0xFFFF_FFFF_FFFF_FFFF)."""
+    a = np.asarray(x)
+    if a.dtype == np.uint64:
+        return a
+    if a.dtype == np.int64:
+        return a.view(np.uint64)
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64).view(np.uint64)
+    if a.dtype == object or a.dtype.kind == "O":
+        return np.array([int(v) & 0xFFFFFFFFFFFFFFFF for v in a.ravel()], dtype=np.uint64).reshape(a.shape)
+    raise TypeError(f"kvcanary: expected integers for hashing, got dtype {a.dtype}")
+
+
+def _u64_scalar_or_array(x):
+    if isinstance(x, int):
+        return np.array(x & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
+    return as_u64(x)
+
+
+def splitmix64(x):
+    """Vectorized splitmix64 finalizer on uint64 (wrapping multiply, no warnings).
+
+    Accepts Python ints (any sign, taken mod 2**64) and integer arrays; returns
+    uint64 (a 0-d array for scalar input).
+    """
+    z = _u64_scalar_or_array(x).copy()
+    # uint64 array multiplication wraps silently; 0-d arrays too (unlike np.uint64 scalars).
+    z = np.atleast_1d(z) if z.ndim == 0 else z
+    z ^= z >> _S30
+    z *= _MUL1
+    z ^= z >> _S27
+    z *= _MUL2
+    z ^= z >> _S31
+    return z.reshape(np.shape(x)) if np.ndim(x) == 0 else z
+
+
+def mix3(a, b, c):
+    """``splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)`` with int64 b, c taken as uint64."""
+    return splitmix64(splitmix64(splitmix64(a) ^ _u64_scalar_or_array(b)) ^ _u64_scalar_or_array(c))
+
+
+def next_link(link, token, position):
+    """The link of a record's successor: ``mix3(link, token, position)``."""
+    return mix3(link, token, position)
+
+
+def chain_links(tokens, positions, seed_link=ANCHOR_HASH) -> np.ndarray:
+    """Links of a sequence whose first record has link ``seed_link`` (uint64 [n])."""
+    tokens = as_u64(np.asarray(tokens, dtype=np.int64))
+    positions = as_u64(np.asarray(positions, dtype=np.int64))
+    out = np.empty(tokens.shape[0], dtype=np.uint64)
+    running = np.array([seed_link & 0xFFFFFFFFFFFFFFFF if isinstance(seed_link, int) else seed_link], dtype=np.uint64)
+    for i in range(tokens.shape[0]):
+        out[i] = running[0]
+        running = mix3(running, tokens[i : i + 1], positions[i : i + 1])
+    return out
+
+
+def make_records(tokens, positions, seed_link=ANCHOR_HASH, fingerprints=None) -> np.ndarray:
+    """Records (int64 [n, 4]) of one chained sequence, e.g. for tests and sweeps."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
+    rec = np.zeros((tokens.shape[0], RECORD_WORDS), dtype=np.int64)
+    rec[:, FIELD_TOKEN] = tokens
+    rec[:, FIELD_POSITION] = positions
+    rec[:, FIELD_LINK] = chain_links(tokens, positions, seed_link).view(np.int64)
+    if fingerprints is not None:
+        rec[:, FIELD_FINGERPRINT] = as_u64(fingerprints).view(np.int64)
+    return rec
+
+
+def fold_chunks(words: np.ndarray) -> np.ndarray:
+    """Fold of one source: words is uint64 [n, 2*k] (k 16-byte chunks per slot)."""
+    acc = np.zeros(words.shape[0], dtype=np.uint64)
+    for j in range(words.shape[1]):
+        acc = splitmix64(acc ^ words[:, j])
+    return acc
+
+
+def combine_folds(folds) -> np.ndarray:
+    """Combine per-source folds in order: ``R = splitmix64(R ^ fold)``."""
+    folds = list(folds)
+    if not folds:
+        raise ValueError("kvcanary: combine_folds needs at least one fold")
+    r = np.zeros_like(folds[0])
+    for f in folds:
+        r = splitmix64(r ^ f)
+    return r

@@ -1,0 +1,251 @@
+"""plan(), write(), verify(), scatter_expected_tokens(): validate, then dispatch.
+
+Every op checks what the host can see (types, dtypes, shapes, devices, which
+arguments go together) and raises ``kvcanary:`` errors for misuse, then hands
+already-imported views to the backend that owns the buffers' device: the NumPy
+reference on ``"cpu"``, the CUDA backend on a GPU. Data the host cannot see
+(indices out of range) is the backend's to count, never to fault on.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from . import arrays
+from .canary import CanaryBuffer, RealKvSource
+from .format import RealKvMode
+from .plans import ExpectedTokens, FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
+from .violations import ViolationLog
+
+
+def backend_for(device: str):
+    """The backend module for a device string."""
+    if device == "cpu":
+        from .backends import reference  # noqa: PLC0415
+
+        return reference
+    from .backends import cuda  # noqa: PLC0415  (imports CuPy)
+
+    return cuda
+
+
+def _expect(obj, cls, name):
+    if not isinstance(obj, cls):
+        raise TypeError(f"kvcanary: {name}: expected a {cls.__name__}, got {type(obj).__name__}")
+    return obj
+
+
+def _stream(stream, device, inputs):
+    return None if device == "cpu" else arrays.resolve_stream(stream, inputs)
+
+
+def _no_extra(op: str, extra: dict) -> None:
+    if not extra:
+        return
+    name = next(iter(extra))
+    if "capacity" in name:
+        raise TypeError(f"kvcanary: {op}() takes no {name}: capacities are read off the plan's own arrays "
+                        "(allocate the plan with the capacity you need)")
+    raise TypeError(f"kvcanary: {op}() got an unexpected keyword argument {name!r}")
+
+
+def _sources(real_kv, real_kv_mode, device: str, num_slots: int) -> tuple[tuple[RealKvSource, ...], RealKvMode]:
+    try:
+        mode = RealKvMode(real_kv_mode)
+    except ValueError:
+        raise ValueError(f"kvcanary: real_kv_mode: expected RealKvMode NONE, PARTIAL or ALL, got {real_kv_mode!r}") from None
+    if isinstance(real_kv, RealKvSource):
+        real_kv = (real_kv,)
+    srcs = tuple(real_kv or ())
+    for i, s in enumerate(srcs):
+        _expect(s, RealKvSource, f"real_kv[{i}]")
+        if s.device != device:
+            raise ValueError(f"kvcanary: real_kv[{i}]: expected a source on {device}, got one on {s.device}")
+        if s.num_slots < num_slots:
+            raise ValueError(f"kvcanary: real_kv[{i}]: the source holds {s.num_slots} slots, expected at least "
+                             f"the canary's num_slots = {num_slots}")
+    if mode == RealKvMode.NONE or not srcs:
+        return (), RealKvMode.NONE
+    return srcs, mode
+
+
+def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_pool_indices, prefix_lens,
+         extend_lens, req_to_token=None, block_table=None, page_size: int | None = None,
+         swa: SwaWindow | None = None, expected: ExpectedTokens | None = None, stream=None, **extra) -> None:
+    """Derive, on the device, the records a step reads and where its new tokens go.
+
+    Args:
+        verify_plan: receives one entry per (active row, prefix position in the
+            window); ``None`` to plan writes only.
+        write_plan: receives per-row write offsets and chain seeds; ``None`` to plan
+            verification only.
+        req_pool_indices: int32 / int64 ``[bs]``, each row's request-table row
+            (0: a padding row, which produces nothing).
+        prefix_lens: int32 / int64 ``[bs]``, tokens already cached per row.
+        extend_lens: int32 / int64 ``[bs]``, tokens this step writes per row.
+        req_to_token: int32 / int64 ``[num_requests, max_len]``, token-level table
+            (SGLang); or
+        block_table: int32 / int64 ``[num_requests, max_pages]`` with ``page_size``
+            (vLLM): slot = ``block_table[rp, pos // page_size] * page_size + pos % page_size``.
+        swa: :class:`SwaWindow`: verify only the window and translate slots by its LUT.
+        expected: :class:`ExpectedTokens`: fill ``expected_tokens`` for the token check.
+        stream: CUDA stream (see :func:`kvcanary_cupy.arrays.resolve_stream`).
+
+    Example::
+
+        >>> import numpy as np, kvcanary_cupy as kc
+        >>> vp = kc.VerifyPlan.allocate(capacity=64, max_batch=2)
+        >>> wp = kc.WritePlan.allocate(max_batch=2)
+        >>> table = np.arange(1, 33, dtype=np.int32).reshape(2, 16)
+        >>> kc.plan(vp, wp, req_pool_indices=np.array([1, 0]), prefix_lens=np.array([3, 7]),
+        ...         extend_lens=np.array([1, 9]), req_to_token=table)
+        >>> vp.host_entries()["slot_indices"].tolist(), wp.seed_slots.tolist()
+        ([17, 18, 19], [19, -1])
+    """
+    _no_extra("plan", extra)
+    if verify_plan is None and write_plan is None:
+        raise ValueError("kvcanary: plan: expected a verify_plan, a write_plan or both, got neither")
+    if verify_plan is not None:
+        _expect(verify_plan, VerifyPlan, "verify_plan")
+    if write_plan is not None:
+        _expect(write_plan, WritePlan, "write_plan")
+    device = (verify_plan or write_plan).device
+    if verify_plan is not None and write_plan is not None and write_plan.device != device:
+        raise ValueError(f"kvcanary: write_plan: expected it on {device} like verify_plan, got {write_plan.device}")
+
+    if (req_to_token is None) == (block_table is None):
+        raise ValueError("kvcanary: plan: pass exactly one slot table, req_to_token= or block_table= (with page_size=)")
+    if req_to_token is not None:
+        if page_size not in (None, 1):
+            raise ValueError(f"kvcanary: page_size: only meaningful with block_table=, got {page_size} with req_to_token=")
+        table_name, table_obj, page = "req_to_token", req_to_token, 1
+    else:
+        if page_size is None or int(page_size) < 1:
+            raise ValueError(f"kvcanary: page_size: block_table= needs page_size >= 1, got {page_size}")
+        table_name, table_obj, page = "block_table", block_table, int(page_size)
+    table = arrays.as_index_array(table_obj, table_name, ndim=2, device=device)
+    rpi = arrays.as_index_array(req_pool_indices, "req_pool_indices", device=device)
+    bs = int(rpi.shape[0])
+    pre = arrays.as_index_array(prefix_lens, "prefix_lens", device=device, min_len=bs)
+    ext = arrays.as_index_array(extend_lens, "extend_lens", device=device, min_len=bs)
+    for p, pname in ((verify_plan, "verify_plan"), (write_plan, "write_plan")):
+        if p is not None and bs > p.max_batch:
+            raise ValueError(f"kvcanary: req_pool_indices: a batch of {bs} rows does not fit {pname}.max_batch = "
+                             f"{p.max_batch}; allocate the plan with a larger max_batch")
+    if swa is not None:
+        _expect(swa, SwaWindow, "swa")
+        arrays.check_array(swa.lut, "swa.lut", device=device)
+    if expected is not None:
+        _expect(expected, ExpectedTokens, "expected")
+        arrays.check_array(expected.table, "expected.table", device=device)
+        arrays.check_array(expected.valid_lens, "expected.valid_lens", device=device, min_len=bs)
+        if verify_plan is None:
+            raise ValueError("kvcanary: expected: expected tokens fill verify_plan.expected_tokens; pass a verify_plan")
+    backend_for(device).plan(
+        verify_plan, write_plan, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table,
+        page_size=page, swa=swa, expected=expected,
+        stream=_stream(stream, device, (req_pool_indices, prefix_lens, extend_lens, table_obj)))
+
+
+def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, out_cache_loc,
+          log: ViolationLog, tag: int, real_kv: Sequence[RealKvSource] = (),
+          real_kv_mode: RealKvMode = RealKvMode.NONE, expected_inputs=None, stream=None, **extra) -> None:
+    """Stamp records for the tokens a step writes, chained from each row's seed.
+
+    Args:
+        canary: the records.
+        write_plan: from :func:`plan` for this step.
+        input_ids: int32 / int64 ``[>= total]``, token ids, rows back to back.
+        positions: int32 / int64 ``[>= total]``, their positions.
+        out_cache_loc: int32 / int64 ``[>= total]``, the slots they were written to;
+            a negative slot is skipped (no store, the chain does not advance).
+        log: where violations go (seed or slot out of range, failed checks).
+        tag: an int (e.g. :class:`LaunchTag`) naming this launch in violation rows.
+        real_kv: :class:`RealKvSource` s whose bytes the fingerprint covers, in order.
+        real_kv_mode: :class:`RealKvMode`.
+        expected_inputs: optional ``(tokens, positions)``, each int32 / int64
+            ``[>= total]`` or ``None``; -1 skips an element. Mismatches raise
+            WRITE_TOKEN / WRITE_POSITION violations.
+        stream: CUDA stream.
+    """
+    _no_extra("write", extra)
+    _expect(canary, CanaryBuffer, "canary")
+    _expect(write_plan, WritePlan, "write_plan")
+    _expect(log, ViolationLog, "log")
+    device = canary.device
+    for obj, name in ((write_plan, "write_plan"), (log, "log")):
+        if obj.device != device:
+            raise ValueError(f"kvcanary: {name}: expected it on {device} like the canary, got {obj.device}")
+    ids = arrays.as_index_array(input_ids, "input_ids", device=device)
+    pos = arrays.as_index_array(positions, "positions", device=device)
+    loc = arrays.as_index_array(out_cache_loc, "out_cache_loc", device=device)
+    exp_tok = exp_pos = None
+    if expected_inputs is not None:
+        if not isinstance(expected_inputs, (tuple, list)) or len(expected_inputs) != 2:
+            raise TypeError("kvcanary: expected_inputs: expected a pair (tokens, positions), either may be None")
+        if expected_inputs[0] is not None:
+            exp_tok = arrays.as_index_array(expected_inputs[0], "expected_inputs[0]", device=device)
+        if expected_inputs[1] is not None:
+            exp_pos = arrays.as_index_array(expected_inputs[1], "expected_inputs[1]", device=device)
+    srcs, mode = _sources(real_kv, real_kv_mode, device, canary.num_slots)
+    backend_for(device).write(
+        canary, write_plan, input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=int(tag),
+        sources=srcs, mode=mode, expected_tokens=exp_tok, expected_positions=exp_pos,
+        stream=_stream(stream, device, (input_ids, positions, out_cache_loc)))
+
+
+def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, tag: int,
+           real_kv: Sequence[RealKvSource] = (), real_kv_mode: RealKvMode = RealKvMode.NONE,
+           check_tokens: bool = False, sample: FingerprintSampler | None = None, stream=None, **extra) -> None:
+    """Check every planned record against its predecessor, position, token and bytes.
+
+    Args:
+        canary: the records.
+        verify_plan: from :func:`plan` for this step; does nothing if it overflowed.
+        log: where violation rows and counters go.
+        tag: an int naming this launch in violation rows.
+        real_kv, real_kv_mode: the sources and mode the records were written with.
+        check_tokens: also compare stored tokens with the plan's expected tokens.
+        sample: :class:`FingerprintSampler`: check fingerprints on a rotating
+            ``1/period`` of the slots only (chain, position and token: always all).
+        stream: CUDA stream.
+    """
+    _no_extra("verify", extra)
+    _expect(canary, CanaryBuffer, "canary")
+    _expect(verify_plan, VerifyPlan, "verify_plan")
+    _expect(log, ViolationLog, "log")
+    device = canary.device
+    for obj, name in ((verify_plan, "verify_plan"), (log, "log")):
+        if obj.device != device:
+            raise ValueError(f"kvcanary: {name}: expected it on {device} like the canary, got {obj.device}")
+    if sample is not None:
+        _expect(sample, FingerprintSampler, "sample")
+        if sample.device != device:
+            raise ValueError(f"kvcanary: sample: expected it on {device} like the canary, got {sample.device}")
+    srcs, mode = _sources(real_kv, real_kv_mode, device, canary.num_slots)
+    backend_for(device).verify(
+        canary, verify_plan, log=log, tag=int(tag), sources=srcs, mode=mode,
+        check_tokens=bool(check_tokens), sample=sample if srcs else None,
+        stream=_stream(stream, device, ()))
+
+
+def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=None, **extra) -> None:
+    """Copy each request's token ids into its row of the expected-token table.
+
+    Args:
+        table: int32 / int64 ``[num_requests, width]``, writable; row ``rp`` receives
+            ``tokens[offsets[r]:offsets[r + 1]]``, truncated to ``width``.
+        tokens: int32 / int64 ``[>= offsets[bs]]``, rows back to back.
+        offsets: int32 / int64 ``[bs + 1]``, exclusive prefix sums.
+        req_pool_indices: int32 / int64 ``[bs]``; row 0 (padding) and rows outside
+            the table are skipped, as are token spans outside ``tokens``.
+    """
+    _no_extra("scatter_expected_tokens", extra)
+    t = arrays.as_index_array(table, "table", ndim=2)
+    arrays.check_array(t, "table", writable=True)
+    device = arrays.device_of(t)
+    tok = arrays.as_index_array(tokens, "tokens", device=device)
+    rpi = arrays.as_index_array(req_pool_indices, "req_pool_indices", device=device)
+    off = arrays.as_index_array(offsets, "offsets", device=device, min_len=int(rpi.shape[0]) + 1)
+    backend_for(device).scatter_expected_tokens(
+        t, tokens=tok, offsets=off, req_pool_indices=rpi,
+        stream=_stream(stream, device, (table, tokens, offsets, req_pool_indices)))

@@ -1,0 +1,184 @@
+"""ViolationLog (the device-side ring and counters) and Violation (one decoded row)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import arrays
+from .format import (COUNTER_NAMES, NUM_COUNTERS, VIOLATION_COLUMNS, VIOLATION_WORDS, FailReason,
+                     LaunchTag)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One violation row, decoded. ``str(v)`` is one line an operator can act on."""
+
+    tag: int
+    slot: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_link: int
+    expected_link: int
+    reasons: FailReason
+    batch_row: int
+    expected_position: int
+    request: object = field(default=None, compare=False)  # the caller's request id, when mapped
+
+    @classmethod
+    def from_row(cls, row) -> "Violation":
+        v = [int(x) for x in row]
+        kw = dict(zip(VIOLATION_COLUMNS, v))
+        kw["reasons"] = FailReason(kw.pop("fail_bits") & 0xFFFFFFFF)
+        return cls(**kw)
+
+    def as_row(self) -> tuple:
+        """The ring row this violation was decoded from (without the request id)."""
+        return (self.tag, self.slot, self.position, self.stored_token, self.expected_token,
+                self.stored_link, self.expected_link, int(self.reasons), self.batch_row,
+                self.expected_position)
+
+    def __str__(self) -> str:
+        try:
+            launch = LaunchTag(self.tag).name.lower()
+        except ValueError:
+            launch = f"tag {self.tag}"
+        who = f"request {self.request!r} (batch row {self.batch_row})" if self.request is not None \
+            else f"batch row {self.batch_row}"
+        return (f"kvcanary violation [{self.reasons.describe()}] in {launch}, {who}, slot {self.slot}: "
+                f"expected token {self.expected_token} position {self.expected_position} "
+                f"link {self.expected_link & 0xFFFFFFFFFFFFFFFF:#018x}; found token {self.stored_token} "
+                f"position {self.position} link {self.stored_link & 0xFFFFFFFFFFFFFFFF:#018x}")
+
+
+class ViolationLog:
+    """A device-side ring of violation rows plus counters, shared by any number of ops.
+
+    Arrays (int64; NumPy on ``"cpu"``, CuPy on CUDA):
+        ring: ``[capacity, 10]`` rows ``[tag, slot, position, stored_token,
+            expected_token, stored_link, expected_link, fail_bits, batch_row,
+            expected_position]``. The ring fills once: rows past ``capacity`` are
+            dropped and counted, never overwrite earlier rows.
+        head: ``[1]`` append index; keeps counting past the capacity.
+        counter_array: ``[3]`` kernel runs, slots checked, slots written.
+
+    Example::
+
+        >>> log = ViolationLog.allocate(capacity=256, device="cpu")
+        >>> log.count, log.read()
+        (0, [])
+    """
+
+    def __init__(self, ring, head, counters):
+        self.ring = arrays.as_array(ring, "ring", dtypes=arrays.INT64, ndim=2)
+        if self.ring.shape[1] != VIOLATION_WORDS:
+            raise ValueError(f"kvcanary: ring: expected shape [capacity, {VIOLATION_WORDS}], got {tuple(self.ring.shape)}")
+        dev = arrays.device_of(self.ring)
+        self.head = arrays.as_array(head, "head", dtypes=arrays.INT64, ndim=1, device=dev)
+        self.counter_array = arrays.as_array(counters, "counters", dtypes=arrays.INT64, ndim=1, device=dev)
+        if self.head.shape[0] != 1 or self.counter_array.shape[0] != NUM_COUNTERS:
+            raise ValueError(f"kvcanary: ViolationLog: head has length {self.head.shape[0]}, expected 1; "
+                             f"counters has length {self.counter_array.shape[0]}, expected {NUM_COUNTERS}")
+        self._polled = 0  # rows already handed out by poll()
+        self._staged = None  # CUDA: (event, pinned head, pinned ring) copied at the last poll
+
+    @classmethod
+    def allocate(cls, *, capacity: int, device: str = "cpu") -> "ViolationLog":
+        if int(capacity) < 1:
+            raise ValueError(f"kvcanary: capacity: expected >= 1, got {capacity}")
+        return cls(arrays.empty((int(capacity), VIOLATION_WORDS), np.int64, device, fill=0),
+                   arrays.empty((1,), np.int64, device, fill=0),
+                   arrays.empty((NUM_COUNTERS,), np.int64, device, fill=0))
+
+    @property
+    def capacity(self) -> int:
+        return int(self.ring.shape[0])
+
+    @property
+    def device(self) -> str:
+        return arrays.device_of(self.ring)
+
+    @property
+    def count(self) -> int:
+        """Violations appended since allocation or the last clear(), dropped ones included."""
+        return int(arrays.to_host(self.head)[0])
+
+    @property
+    def dropped(self) -> int:
+        """Violations that did not fit in the ring."""
+        return max(0, self.count - self.capacity)
+
+    def counters(self) -> dict:
+        """``{"kernel_runs", "slots_checked", "slots_written"}`` (synchronizes)."""
+        c = arrays.to_host(self.counter_array)
+        return {name: int(c[i]) for i, name in enumerate(COUNTER_NAMES)}
+
+    def rows(self) -> np.ndarray:
+        """Every row held, in ring order, as an int64 NumPy array (synchronizes)."""
+        n = min(self.count, self.capacity)
+        return np.array(arrays.to_host(self.ring[:n]))
+
+    def read(self) -> list[Violation]:
+        """Every row held, decoded, in ring order; consumes nothing (synchronizes)."""
+        return [Violation.from_row(r) for r in self.rows()]
+
+    def poll(self, stream=None) -> list[Violation]:
+        """The rows appended since the previous poll, without stalling the stream.
+
+        On CUDA the rows are those a pinned copy, queued by the previous poll, found one
+        step earlier; this call waits only for that copy (long done in a running
+        engine) and queues the next one on ``stream``. On the CPU it reads directly.
+        """
+        if isinstance(self.ring, np.ndarray):
+            return self._take(int(self.head[0]), self.ring)
+        found = []
+        if self._staged is not None:
+            event, head_h, ring_h = self._staged
+            event.synchronize()
+            found = self._take(int(head_h[0]), ring_h)
+        self._stage(stream)
+        return found
+
+    def _take(self, head: int, ring) -> list[Violation]:
+        end = min(head, self.capacity)
+        out = [Violation.from_row(r) for r in ring[self._polled:end]]
+        self._polled = max(self._polled, end)
+        return out
+
+    def _stage(self, stream) -> None:
+        import cupy as cp  # noqa: PLC0415
+
+        if self._staged is None:
+            head_h = cp.cuda.alloc_pinned_memory(8)
+            ring_h = cp.cuda.alloc_pinned_memory(self.ring.nbytes)
+            self._pinned = (np.frombuffer(head_h, np.int64, 1),
+                            np.frombuffer(ring_h, np.int64, self.ring.size).reshape(self.ring.shape))
+            self._event = cp.cuda.Event(disable_timing=True)
+        s = cp.cuda.ExternalStream(arrays.resolve_stream(stream, ()))
+        head_np, ring_np = self._pinned
+        self.head.get(stream=s, out=head_np)
+        self.ring.get(stream=s, out=ring_np)
+        self._event.record(s)
+        self._staged = (self._event, head_np, ring_np)
+
+    def clear(self, stream=None) -> None:
+        """Empty the ring (stream-ordered on CUDA). Counters keep counting."""
+        if isinstance(self.ring, np.ndarray):
+            self.head[0] = 0
+        else:
+            import cupy as cp  # noqa: PLC0415
+
+            with cp.cuda.ExternalStream(arrays.resolve_stream(stream, ())):
+                self.head.fill(0)
+        self._polled = 0
+        self._staged = None
+
+    def reset_counters(self, stream=None) -> None:
+        if isinstance(self.counter_array, np.ndarray):
+            self.counter_array[:] = 0
+        else:
+            import cupy as cp  # noqa: PLC0415
+
+            with cp.cuda.ExternalStream(arrays.resolve_stream(stream, ())):
+                self.counter_array.fill(0)

@@ -1,0 +1,42 @@
+"""Shared test fixtures: the ``gpu`` marker, the array-module parameter ``xp``."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_available() -> bool:
+    try:
+        import cupy  # noqa: PLC0415
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001  (no CuPy, no driver, no device: all mean "no GPU")
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device visible to CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def xp(request):
+    """The array module a test runs on: NumPy always, CuPy where a GPU is visible."""
+    if request.param == "numpy":
+        return np
+    import cupy  # noqa: PLC0415
+
+    return cupy
+
+
+@pytest.fixture
+def device(xp):
+    """The device string matching ``xp``."""
+    return "cpu" if xp is np else "cuda"
