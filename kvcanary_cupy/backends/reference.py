@@ -172,7 +172,8 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
           expected_tokens, expected_positions, stream=None):
     rec = canary.records
     N = rec.shape[0]
-    nrows = int(wp.num_rows[0])
+    # A forged row count never reads past the plan's arrays.
+    nrows = max(0, min(int(wp.num_rows[0]), wp.seed_slots.shape[0]))
     offs = wp.offsets[: nrows + 1].astype(_I64)
     seeds = wp.seed_slots[:nrows].astype(_I64)
     log.counter_array[fmt.CTR_KERNEL_RUNS] += 1
@@ -183,7 +184,8 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
                  if a is not None])
     out = []
 
-    span_bad = (o0 < 0) | (o1 > avail)
+    # A reversed span can only come from a forged plan: report it rather than drop the row.
+    span_bad = (o0 < 0) | (o1 > avail) | (o1 < o0)
     seed_bad = ~span_bad & ((seeds < -1) | (seeds >= N))
     if span_bad.any():
         r = np.nonzero(span_bad)[0]
@@ -348,11 +350,12 @@ def _batch_rows(vp, entries: np.ndarray) -> np.ndarray:
 # --- scatter_expected_tokens -------------------------------------------------
 def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=None):
     nreq, width = table.shape
-    ntok = tokens.shape[0]
-    for r in range(req_pool_indices.shape[0]):
-        rp = int(req_pool_indices[r])
-        a, b = int(offsets[r]), int(offsets[r + 1])
-        if rp == fmt.PADDING_REQ or rp < 0 or rp >= nreq or a < 0 or b > ntok or b <= a:
-            continue
-        n = min(b - a, width)
-        table[rp, :n] = tokens[a:a + n]
+    bs = req_pool_indices.shape[0]
+    rp = req_pool_indices.astype(_I64)
+    lo = offsets[:bs].astype(_I64)
+    hi = offsets[1:bs + 1].astype(_I64)
+    ok = (rp != fmt.PADDING_REQ) & (rp > 0) & (rp < nreq) & (lo >= 0) & (hi <= tokens.shape[0]) & (hi > lo)
+    n = np.where(ok, np.minimum(hi - lo, width), 0)
+    row = np.repeat(np.arange(bs), n)
+    col = np.arange(row.shape[0], dtype=_I64) - np.repeat(np.cumsum(n) - n, n)
+    table[rp[row], col] = tokens[lo[row] + col]

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole GPU job in one command, for a machine with a CUDA device and CuPy:
+# every test (GPU ones included), the parity fuzz, the GPU tests under compute-sanitizer,
+# the selftest on the CUDA backend, the GPU examples and the benchmarks.
+# Logs go to $OUT (default ./gpu-out). Each stage runs even if an earlier one failed;
+# the exit status is the number of failed stages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+STAGES=${STAGES:-"tests fuzz sanitizer selftest examples bench"}
+failed=0
+stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, print the tail
+    local name=$1; shift
+    case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n "${TAIL:-6}" "$OUT/$name.log"
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+    [ $rc -eq 0 ] || failed=$((failed + 1))
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+stage tests python3 -m pytest -q -p no:cacheprovider -x --deselect tests/gpu/test_parity_fuzz.py
+stage fuzz env KVCANARY_FUZZ_CASES="${FUZZ_CASES:-500}" python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_parity_fuzz.py
+stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 99 \
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --deselect tests/gpu/test_parity_fuzz.py
+stage selftest python3 -m kvcanary_cupy selftest --backend cuda --json /tmp/selftest.json
+stage examples python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_examples.py
+cp benchmarks/README.md "$OUT/bench.md" 2>/dev/null  # the harness fills in its table; copy it back
+stage bench python3 -m kvcanary_cupy bench --json "$OUT/bench.json" --markdown "$OUT/bench.md"
+exit $failed
