@@ -1,0 +1,63 @@
+"""The wheel ships the CUDA sources, and an installed package finds them.
+
+Builds a wheel of this checkout, installs it into a fresh virtual environment
+outside the repository, and imports it there: the package must load without CuPy,
+PyTorch or JAX and locate kernels_cu/ inside site-packages.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from kvcanary_cupy.backends import cuda_sources
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_checkout_finds_every_kernel_source():
+    d = cuda_sources.kernels_dir()
+    assert (d / cuda_sources.HEADER).is_file()
+    for mod in cuda_sources.MODULES.values():
+        assert (d / mod.file).is_file()
+        assert "kvcanary_common" not in cuda_sources.source(next(k for k, v in cuda_sources.MODULES.items()
+                                                                   if v is mod)).split("\n", 3)[0]
+
+
+def test_import_pulls_in_no_framework():
+    code = ("import sys, kvcanary_cupy, kvcanary_cupy.ops, kvcanary_cupy.backends.reference;"
+            "bad = [m for m in ('cupy', 'torch', 'jax') if m in sys.modules];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_finds_kernels(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(dist), str(ROOT)], check=True)
+    (wheel,) = dist.glob("kvcanary_cupy-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for mod in list(cuda_sources.MODULES.values()):
+        assert f"kvcanary_cupy/kernels_cu/{mod.file}" in names
+    assert f"kvcanary_cupy/kernels_cu/{cuda_sources.HEADER}" in names
+
+    venv = tmp_path / "venv"
+    # --system-site-packages lends numpy without a download; the wheel itself is installed
+    # into the venv, so it shadows nothing and is found first.
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    if subprocess.run([str(py), "-c", "import numpy"], capture_output=True).returncode:
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "numpy>=1.24"], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], check=True)
+    code = ("import kvcanary_cupy, sys;"
+            "from kvcanary_cupy.backends import cuda_sources as c;"
+            "d = c.kernels_dir(); print(d);"
+            "assert 'site-packages' in str(d), d;"
+            "assert all(len(c.source(f)) > 100 for f in c.MODULES);"
+            "assert 'cupy' not in sys.modules")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVCANARY_KERNELS_DIR")}
+    out = subprocess.run([str(py), "-c", code], check=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert "site-packages" in out.stdout
