@@ -1,0 +1,72 @@
+"""``python -m kvcanary_cupy bench``: time plan / verify / write against the memory floor,
+a bare kernel launch and a PyTorch baseline, on one GPU.
+
+    python -m kvcanary_cupy bench [--quick] [--json PATH] [--markdown PATH] [--runs N]
+                                  [--no-baseline] [--only REGEX] [--device cuda|cpu]
+
+Writes a JSON file of every figure, a markdown report (spliced between the
+``<!-- bench:begin -->`` / ``<!-- bench:end -->`` markers of ``--markdown``), prints
+the report and, last, a short table of the targets. ``--device cpu`` runs the
+harness on the NumPy reference and CPU torch: a check of the harness itself,
+whose figures mean nothing.
+
+Nothing here imports CuPy or PyTorch until a run starts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m kvcanary_cupy bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny subset (seconds): the smoke test")
+    ap.add_argument("--json", metavar="PATH", default="kvcanary_bench.json",
+                    help="where the JSON results go (default: %(default)s)")
+    ap.add_argument("--markdown", metavar="PATH", default=None,
+                    help="markdown file whose bench block is rewritten (created if missing)")
+    ap.add_argument("--runs", type=int, default=None, help="timed runs per figure (default 50; 5 with --quick)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline")
+    ap.add_argument("--only", metavar="REGEX", default=None, help="only the cases whose name matches")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cuda (default), or cpu: a dry run of the harness on the NumPy reference")
+    return ap
+
+
+def main(argv=None) -> int:
+    """Run the bench; returns the exit status (1 when a measurement failed, else 0)."""
+    args = _parser().parse_args(argv)
+    if args.runs is not None and args.runs < 1:
+        raise SystemExit(f"kvcanary: --runs: expected >= 1, got {args.runs}")
+
+    from . import cases, report  # noqa: PLC0415
+    from .platforms import make_platform  # noqa: PLC0415
+    from .runner import Runner  # noqa: PLC0415
+
+    suite = cases.quick_suite() if args.quick else cases.full_suite()
+    if args.runs is not None:
+        suite = dataclasses.replace(suite, runs=args.runs)
+    suite = cases.select(suite, args.only)
+    platform = make_platform(args.device)
+    try:
+        results = Runner(suite, platform, baseline=not args.no_baseline).run()
+    finally:
+        platform.close()
+
+    body = report.markdown(results)
+    if args.json:
+        report.write_json(results, args.json)
+    if args.markdown:
+        report.update_markdown(args.markdown, body)
+    print(body)
+    print(report.summary(results))
+    failed = [c["name"] for c in results["cases"] if c.get("error")]
+    failed += [k for k in ("copy", "host") if (results.get(k) or {}).get("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Results -> targets, a markdown report, JSON, and the short table printed last.
+
+Pure functions of the results dict the runner builds (see ``runner.py`` for its
+shape), so the whole report can be produced and tested from a made-up dict.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+BEGIN = "<!-- bench:begin -->"
+END = "<!-- bench:end -->"
+MILLION = 1_000_000
+
+# The targets the figures are held to.
+FLOOR_LIMIT = 1.3  # plan / verify time over floor at >= 1M entries
+HOST_LIMIT = 1.5  # host time per op over a bare kernel launch
+STEP_HOST_LIMIT_US = 30.0  # CPU time of the three ops of a step
+BASELINE_MIN_SPEEDUP = 5.0  # baseline device time over kvcanary's at >= 1M entries
+
+
+def _num(x):
+    return x if isinstance(x, (int, float)) and not (isinstance(x, float) and math.isnan(x)) else None
+
+
+def _op(case, op, side="ops"):
+    if side == "ops":
+        return (case.get("ops") or {}).get(op) or {}
+    return ((case.get("baseline") or {}).get("ops") or {}).get(op) or {}
+
+
+def _ok_cases(results):
+    return [c for c in results.get("cases", []) if not c.get("error")]
+
+
+def _big(results, groups, mode=None, kv_layers=None):
+    out = []
+    for c in _ok_cases(results):
+        if c["group"] not in groups or c.get("entries", 0) < MILLION:
+            continue
+        if mode is not None and c.get("mode") != mode:
+            continue
+        if kv_layers is not None and c.get("kv_layers") != kv_layers:
+            continue
+        out.append(c)
+    return out
+
+
+def _verdict(value, limit, higher_is_better=False):
+    if value is None:
+        return "n/a"
+    ok = value >= limit if higher_is_better else value <= limit
+    return "PASS" if ok else "MISS"
+
+
+def _worst_ratio(cases, op):
+    """(worst time/floor, the case it came from) over ``cases``."""
+    best = (None, None)
+    for c in cases:
+        r = _num(_op(c, op).get("x_floor"))
+        if r is not None and (best[0] is None or r > best[0]):
+            best = (r, c["name"])
+    return best
+
+
+def step_device_us(case, side="ops"):
+    """Device time of the ops a case times, summed (None if any is missing)."""
+    ts = [_num(_op(case, op, side).get("device_us")) for op in case.get("timed_ops", ["plan", "verify", "write"])]
+    return None if not ts or any(t is None for t in ts) else sum(ts)
+
+
+def evaluate(results) -> list[dict]:
+    """The targets: each with its value, limit, PASS / MISS (n/a when not measured) and where it came from."""
+    t = []
+
+    def add(name, value, limit, detail, higher=False, unit="x"):
+        t.append({"target": name, "value": value, "limit": limit, "unit": unit,
+                  "result": _verdict(value, limit, higher), "detail": detail})
+
+    big = _big(results, ("decode", "swa"))
+    def worst(where):
+        return f"worst: {where}" if where else "no case >= 1M entries"
+
+    v, where = _worst_ratio(big, "plan")
+    add("plan <= 1.3x floor at >= 1M entries", v, FLOOR_LIMIT, worst(where))
+    v, where = _worst_ratio(big, "verify")
+    add("verify <= 1.3x floor at >= 1M entries", v, FLOOR_LIMIT, worst(where))
+    kv = _big(results, ("real_kv",), mode="ALL", kv_layers=1)
+    v, where = _worst_ratio(kv, "verify")
+    add("verify, real-KV ALL 256 B/token, <= 1.3x floor at >= 1M entries", v, FLOOR_LIMIT, worst(where))
+
+    host = results.get("host") or {}
+    bare = _num(host.get("bare_launch_us"))
+    for op in ("plan", "verify", "write"):
+        x = _num(host.get(f"{op}_us"))
+        ratio = x / bare if x is not None and bare else None
+        add(f"host: {op} <= 1.5x a bare launch", ratio, HOST_LIMIT,
+            f"{x:.2f} us vs bare {bare:.2f} us" if ratio is not None else "not measured")
+    step = _num(host.get("step_us"))
+    add("host: plan + verify + write <= 30 us of CPU", step, STEP_HOST_LIMIT_US,
+        "one call of each, median" if step is not None else "not measured", unit="us")
+
+    speedups = []
+    for c in _big(results, ("decode", "swa", "real_kv")):
+        k, b = step_device_us(c), step_device_us(c, "baseline")
+        if k and b:
+            speedups.append((b / k, c["name"]))
+    v, where = min(speedups) if speedups else (None, None)
+    add("baseline >= 5x slower (device time of a step) at >= 1M entries", v, BASELINE_MIN_SPEEDUP,
+        f"smallest: {where}" if where else "no baseline at >= 1M entries", higher=True)
+    bh = _num(((host.get("baseline") or {}).get("step_us")))
+    ratio = bh / step if bh is not None and step else None
+    add("baseline takes more host time per step", ratio, 1.0,
+        f"torch {bh:.1f} us vs kvcanary {step:.1f} us" if ratio is not None else "not measured", higher=True)
+    return t
+
+
+def write_rows(results) -> list[dict]:
+    """The 16K-token row write, per source: total (ALL), serial chain (NONE), fingerprint part."""
+    by = {}
+    for c in _ok_cases(results):
+        if c["group"] != "write_row":
+            continue
+        by.setdefault(c["pool_label"], {})[c["mode"]] = _num(_op(c, "write").get("device_us"))
+    out = []
+    for label, m in by.items():
+        total, chain = m.get("ALL"), m.get("NONE")
+        out.append({"source": label, "tokens": None, "all_us": total, "chain_us": chain,
+                    "fingerprint_us": total - chain if total is not None and chain is not None else None})
+    for c in _ok_cases(results):
+        for row in out:
+            if c["group"] == "write_row" and c["pool_label"] == row["source"]:
+                row["tokens"] = c["tokens"]
+    return out
+
+
+# --- formatting ------------------------------------------------------------------------
+def _f(x, digits=1):
+    x = _num(x)
+    if x is None:
+        return "-"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}f}"
+
+
+def _count(n):
+    if n is None:
+        return "-"
+    if n >= MILLION and n % (1 << 20) == 0:
+        return f"{n >> 20}Mi"
+    if n >= MILLION:
+        return f"{n / MILLION:.1f}M"
+    if n >= 10_000 and n % 1024 == 0:
+        return f"{n >> 10}Ki"
+    return str(n)
+
+
+def _table(header, rows) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def markdown(results) -> str:
+    """The full report as markdown (what goes between the README's markers)."""
+    meta = results.get("meta", {})
+    copy = results.get("copy") or {}
+    bw = _num(copy.get("bandwidth_bytes_per_s"))
+    lines = []
+    dev = meta.get("device", "?")
+    lines.append(f"Measured on **{dev}** ({meta.get('platform', '?')}), {meta.get('date', '?')}; "
+                 f"suite `{meta.get('suite', '?')}`, medians of {meta.get('runs', '?')} runs "
+                 f"(baseline: fewer where one call is long, see `runs` in the JSON). "
+                 f"CuPy {meta.get('cupy', '-')}, torch {meta.get('torch', '-')}.")
+    lines.append("")
+    if bw is not None:
+        lines.append(f"Copy bandwidth (device-to-device copy of {_count(copy.get('buffer_bytes'))}B, bytes read + "
+                     f"written): **{bw / 1e9:,.0f} GB/s** ({_f(copy.get('time_us'))} us). Floors below are "
+                     "each op's minimum bytes at this bandwidth.")
+    elif copy.get("error"):
+        lines.append(f"Copy bandwidth: error: {copy['error']}")
+    lines.append("")
+
+    rows = []
+    for c in results.get("cases", []):
+        if c.get("error"):
+            rows.append([c["name"], _count(c.get("entries")), _count(c.get("tokens")), "error", "-", "-", "-",
+                         "-", "-", "-"])
+            continue
+        for op in c.get("timed_ops", []):
+            k, b = _op(c, op), _op(c, op, "baseline")
+            kd, bd = _num(k.get("device_us")), _num(b.get("device_us"))
+            rows.append([c["name"], _count(c.get("entries")), _count(c.get("tokens")), op, _f(kd),
+                         _f(k.get("floor_us")), _f(k.get("x_floor"), 2), _f(bd), _f(bd / kd if bd and kd else None),
+                         f"{_f(k.get('host_us'))} / {_f(b.get('host_us'))}"])
+    lines.append("**Ops** (device time per call; floor = minimum bytes / copy bandwidth; torch = the PyTorch "
+                 "baseline; host = CPU time of the Python call, kvcanary / torch)")
+    lines.append("")
+    lines += _table(["case", "entries", "tokens", "op", "us", "floor us", "x floor", "torch us", "torch / kvc",
+                     "host us"], rows)
+    lines.append("")
+
+    host = results.get("host") or {}
+    if host.get("error"):
+        lines.append(f"Host overhead: error: {host['error']}")
+    elif host:
+        bare = _num(host.get("bare_launch_us"))
+
+        def xb(v):
+            v = _num(v)
+            return _f(v / bare, 2) if v is not None and bare else "-"
+
+        hb = host.get("baseline") or {}
+        hrows = [["bare RawKernel launch, no args", _f(bare, 2), "1.00", "-"],
+                 ["bare RawKernel launch, 8 args", _f(host.get("bare_launch_args_us"), 2),
+                  xb(host.get("bare_launch_args_us")), "-"]]
+        for op in ("plan", "verify", "write"):
+            hrows.append([op, _f(host.get(f"{op}_us"), 2), xb(host.get(f"{op}_us")), _f(hb.get(f"{op}_us"), 1)])
+        hrows.append(["step: plan + verify + write", _f(host.get("step_us"), 2), xb(host.get("step_us")),
+                      _f(hb.get("step_us"), 1)])
+        if host.get("graph_error"):
+            hrows.append(["graph replay of a step", f"error: {host['graph_error']}", "-", "-"])
+        else:
+            hrows.append(["graph replay of a step (launch call)", _f(host.get("graph_replay_host_us"), 2),
+                          xb(host.get("graph_replay_host_us")), "-"])
+        lines.append(f"**Host overhead** (CPU us per call, median of {host.get('calls', '?')} calls, "
+                     f"`{host.get('case', '?')}`, buffers imported once, no sync per call)")
+        lines.append("")
+        lines += _table(["call", "us", "x bare", "torch us"], hrows)
+        lines.append("")
+        lines.append(f"Device time of a step: eager {_f(host.get('step_device_us'))} us, "
+                     f"one graph replay {_f(host.get('graph_replay_device_us'))} us.")
+        lines.append("")
+
+    wr = write_rows(results)
+    if wr:
+        lines.append("**Write of one 16K-token row** (device us; the serial chain is the real-KV NONE variant)")
+        lines.append("")
+        lines += _table(["source", "tokens", "total, real-KV ALL", "serial chain", "fingerprint part"],
+                        [[r["source"], _count(r["tokens"]), _f(r["all_us"]), _f(r["chain_us"]),
+                          _f(r["fingerprint_us"])] for r in wr])
+        lines.append("")
+
+    lines.append("**Targets**")
+    lines.append("")
+    lines += _table(["target", "value", "limit", "result", "where"], _target_rows(results))
+    notes = list(meta.get("notes", []))
+    if notes:
+        lines.append("")
+        lines += [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _target_rows(results):
+    rows = []
+    for t in results.get("targets") or evaluate(results):
+        unit = t.get("unit", "x")
+        val = "-" if t["value"] is None else (f"{t['value']:.2f}{unit}" if unit == "x" else f"{t['value']:.1f} {unit}")
+        lim = f"{t['limit']}{unit}" if unit == "x" else f"{t['limit']} {unit}"
+        rows.append([t["target"], val, lim, f"**{t['result']}**", t["detail"]])
+    return rows
+
+
+def summary(results) -> str:
+    """The short table printed last on stdout."""
+    copy = results.get("copy") or {}
+    bw = _num(copy.get("bandwidth_bytes_per_s"))
+    head = f"copy bandwidth: {bw / 1e9:,.0f} GB/s" if bw else "copy bandwidth: -"
+    errs = [c["name"] for c in results.get("cases", []) if c.get("error")]
+    rows = [[r[0], r[1], r[2], r[3].strip("*")] for r in _target_rows(results)]
+    w = [max(len(str(r[i])) for r in rows + [["target", "value", "limit", "result"]]) for i in range(4)]
+
+    def line(r):
+        return "  ".join(str(c).ljust(w[i]) for i, c in enumerate(r))
+
+    out = [head, line(["target", "value", "limit", "result"]), line(["-" * x for x in w])]
+    out += [line(r) for r in rows]
+    if errs:
+        out.append(f"cases with errors ({len(errs)}): " + ", ".join(errs))
+    return "\n".join(out)
+
+
+# --- files ---------------------------------------------------------------------------
+def _clean(x):
+    """JSON-safe copy: NaN / inf become null."""
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if hasattr(x, "item") and hasattr(x, "dtype"):  # NumPy / CuPy scalars
+        return _clean(x.item())
+    return x
+
+
+def write_json(results, path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(_clean(results), f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
+def splice(text: str | None, body: str) -> str:
+    """``text`` with the part between the bench markers replaced by ``body``.
+
+    Without markers the block is appended; with no text it is the whole file.
+    """
+    block = f"{BEGIN}\n{body.rstrip()}\n{END}"
+    if not text:
+        return block + "\n"
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < i:
+        return text.rstrip("\n") + "\n\n" + block + "\n"
+    return text[:i] + block + text[j + len(END):]
+
+
+def update_markdown(path: str, body: str) -> None:
+    """Rewrite the bench block of ``path`` (creating the file if needed)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = None
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(splice(text, body))

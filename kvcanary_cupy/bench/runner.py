@@ -1,0 +1,353 @@
+"""Runs a :class:`~.cases.Suite` on a platform and returns the results dict.
+
+Order: copy bandwidth, host overhead (small step, objects allocated once, graph
+replay), then the cases pool by pool (each pool's canary and KV source are
+allocated once, freed after). Every case is guarded: an error is recorded in
+its entry (message and traceback tail) and the run goes on.
+
+Results dict::
+
+    meta   platform info, suite, runs, date, torch version, notes
+    copy   buffer_bytes, bytes_moved, time_us, bandwidth_bytes_per_s
+    host   bare_launch_us, bare_launch_args_us, plan_us, verify_us, write_us,
+           step_us, step_device_us, graph_replay_host_us, graph_replay_device_us,
+           baseline {plan_us, verify_us, write_us, step_us}
+    cases  [{name, group, batch, prefix, extend, window, mode, kv_layers, pool_label,
+             entries, tokens, sets, set_bytes, l2_flush, pool_slots, timed_ops,
+             ops {op: {device_us, host_us, runs, bytes, floor_us, x_floor}},
+             baseline {ops {...}, agrees {...}} | {skipped} | {error},
+             checks {violations, requested, enable, input_errors}, error}]
+    targets  see report.evaluate
+"""
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+import traceback
+
+from ..canary import CanaryBuffer
+from ..format import RealKvMode
+from ..violations import ViolationLog
+from . import cases as C
+from . import floors, report, workloads
+from .timing import median
+
+LOG_CAPACITY = 4096
+
+
+def _err(e: BaseException) -> str:
+    tb = traceback.format_exception(type(e), e, e.__traceback__)
+    return f"{type(e).__name__}: {e}\n" + "".join(tb[-6:])
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+class Runner:
+    """One bench run. ``say`` receives progress lines (stderr by default)."""
+
+    def __init__(self, suite: C.Suite, platform, *, baseline: bool = True, say=None):
+        self.suite = suite
+        self.p = platform
+        self.xp = platform.xp
+        self.say = say or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.t0 = time.monotonic()
+        self.bw = 0.0
+        self.torch_note = None
+        self.baseline = baseline and self._torch_ok()
+
+    # --- plumbing -----------------------------------------------------------------
+    def _torch_ok(self) -> bool:
+        try:
+            import torch  # noqa: PLC0415
+
+            self.p.torch_device()
+            self.torch_note = f"{torch.__version__}"
+            return True
+        except Exception as e:  # noqa: BLE001  (no torch, or one without CUDA: run without the baseline)
+            self.torch_note = f"baseline skipped: {_short(e)}"
+            return False
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _stream(self):
+        return self.p.stream
+
+    def _free(self) -> None:
+        """Return cached memory; after a sticky CUDA error this fails too, which must not end the run."""
+        try:
+            self.p.free()
+        except Exception as e:  # noqa: BLE001
+            self.say(f"[bench] freeing memory failed: {_short(e)}")
+
+    # --- the run ------------------------------------------------------------------
+    def run(self) -> dict:
+        s = self.suite
+        meta = dict(self.p.info())
+        meta.update(suite=s.name, runs=s.runs, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                    torch=self.torch_note, notes=list(s.notes))
+        res = {"meta": meta, "copy": {}, "host": {}, "cases": []}
+        self.say(f"[bench] {meta.get('device')} suite={s.name} runs={s.runs} baseline={self.baseline}")
+        try:
+            res["copy"] = self.p.copy_bandwidth(s.copy_bytes, s.runs)
+            self._free()
+            self.bw = res["copy"]["bandwidth_bytes_per_s"]
+            self.say(f"[bench] copy {self.bw / 1e9:,.0f} GB/s")
+        except Exception as e:  # noqa: BLE001
+            res["copy"] = {"error": _short(e), "traceback": _err(e)}
+            self.say(f"[bench] copy failed: {_short(e)}")
+        try:
+            res["host"] = self.host_overhead()
+        except Exception as e:  # noqa: BLE001
+            res["host"] = {"error": _short(e), "traceback": _err(e)}
+            self.say(f"[bench] host overhead failed: {_short(e)}")
+        self._free()
+        for pool in s.pools:
+            group = [c for c in s.cases if c.pool == pool.name]
+            if group:
+                res["cases"] += self.run_pool(pool, group)
+        meta["elapsed_s"] = round(self.elapsed(), 1)
+        res["targets"] = report.evaluate(res)
+        return res
+
+    # --- host overhead ----------------------------------------------------------------
+    def host_overhead(self) -> dict:
+        s, p, xp = self.suite, self.p, self.xp
+        case = s.host_case
+        pool = C.Pool("host", 1_000_000 if p.kind == "cuda" else 4096)
+        high = C.draw_range(case, 1, pool)
+        canary = CanaryBuffer.allocate(num_slots=C.pool_slots(pool, [high]), device=p.device)
+        log = ViolationLog.allocate(capacity=LOG_CAPACITY, device=p.device)
+        rs = workloads.random_state(xp, 1234)
+        inst = workloads.build(xp, p.device, case, workloads.draw_slots(xp, rs, case.slots, high), rs)
+        workloads.populate(xp, p.device, inst, canary, log, rs, stream=self._stream())
+        calls = workloads.op_calls(inst, canary, log, stream=self._stream())
+        calls["plan"]()
+        p.sync()
+        H = s.host_calls
+        timer = p.timer
+        out = {"case": case.name, "calls": H}
+        launch = p.bare_launchers()
+        out["bare_launch_us"] = median(timer.host(launch["bare"], calls=H))
+        out["bare_launch_args_us"] = median(timer.host(launch["bare_args"], calls=H))
+        for op in ("plan", "verify", "write"):
+            out[f"{op}_us"] = median(timer.host(calls[op], calls=H))
+
+        def step():
+            calls["plan"]()
+            calls["verify"]()
+            calls["write"]()
+
+        out["step_us"] = median(timer.host(step, calls=H))
+        out["sum_us"] = out["plan_us"] + out["verify_us"] + out["write_us"]
+        out["step_device_us"] = timer.device(lambda _i: step(), runs=s.runs, warmup=3).device_us
+        try:
+            replay = p.capture(step)
+            out["graph_replay_host_us"] = median(timer.host(replay, calls=H))
+            out["graph_replay_device_us"] = timer.device(lambda _i: replay(), runs=s.runs, warmup=3).device_us
+        except NotImplementedError as e:
+            out["graph_error"] = str(e)
+        except Exception as e:  # noqa: BLE001
+            out["graph_error"] = _short(e)
+            out["graph_traceback"] = _err(e)
+        p.sync()
+        out["violations"] = log.count
+        self.say(f"[bench] host: bare {out['bare_launch_us']:.2f} us, plan {out['plan_us']:.2f}, "
+                 f"verify {out['verify_us']:.2f}, write {out['write_us']:.2f}, step {out['step_us']:.2f}")
+        if self.baseline:
+            try:
+                out["baseline"] = self._baseline_host(inst, canary, H)
+            except Exception as e:  # noqa: BLE001
+                out["baseline"] = {"error": _short(e), "traceback": _err(e)}
+        return out
+
+    def _baseline_host(self, inst, canary, calls: int) -> dict:
+        import torch  # noqa: PLC0415
+
+        from . import torch_baseline as tb  # noqa: PLC0415
+
+        self.p.sync()
+        dev = self.p.torch_device()
+        ti = workloads.torch_instance(inst, dev)
+        trec = torch.from_dlpack(canary.records).clone()
+        tlog = tb.TorchLog.allocate(capacity=LOG_CAPACITY, device=dev)
+        tc = workloads.torch_calls(ti, trec, tlog)
+        timer = self.p.torch_timer()
+        n = max(10, min(calls, 100))  # each call synchronizes several times: fewer calls suffice
+        out = {f"{op}_us": median(timer.host(tc[op], calls=n, warmup=3)) for op in ("plan", "verify", "write")}
+
+        def step():
+            tc["plan"]()
+            tc["verify"]()
+            tc["write"]()
+
+        out["step_us"] = median(timer.host(step, calls=n, warmup=3))
+        out["calls"] = n
+        timer.sync()
+        out["violations"] = int(tlog.head[0])
+        self.p.sync()
+        return out
+
+    # --- cases --------------------------------------------------------------------------
+    def run_pool(self, pool: C.Pool, group) -> list[dict]:
+        s, p, xp = self.suite, self.p, self.xp
+        N, plans = C.layout(s, pool, p.rotation_l2())
+        label = f"{pool.kv_layers}x{pool.bytes_per_token}B" if pool.kv_layers else "none"
+        out = []
+        ctx = {}
+        try:
+            self.say(f"[bench] pool {pool.name}: {N:,} slots" + (f", KV {label}" if pool.kv_layers else ""))
+            ctx["canary"] = CanaryBuffer.allocate(num_slots=N, device=p.device)
+            ctx["log"] = ViolationLog.allocate(capacity=LOG_CAPACITY, device=p.device)
+            ctx["rs"] = workloads.random_state(xp, 20240 + len(pool.name))
+            ctx["sources"] = ()
+            if pool.kv_layers:
+                ctx["kv"] = workloads.make_kv(xp, pool.kv_layers, N, pool.bytes_per_token)
+                ctx["sources"] = (workloads.kv_source(ctx["kv"]),)
+            ctx["lut"] = workloads.make_lut(xp, ctx["rs"], N) if any(c.window for c in group) else None
+            p.sync()
+        except Exception as e:  # noqa: BLE001
+            msg = _short(e)
+            self.say(f"[bench] pool {pool.name} failed: {msg}")
+            ctx.clear()
+            self._free()
+            return [self._entry(c, pool, label, N) | {"error": f"pool setup: {msg}", "traceback": _err(e)}
+                    for c in group]
+        for c in group:
+            entry = self._entry(c, pool, label, N)
+            entry["sets"], entry["l2_flush"] = plans[c.name]
+            if self.elapsed() > s.hard_deadline_s:
+                entry["error"] = f"skipped: past the {s.hard_deadline_s:.0f} s budget"
+                out.append(entry)
+                continue
+            try:
+                self.run_case(c, pool, ctx, entry)
+            except Exception as e:  # noqa: BLE001
+                entry["error"] = _short(e)
+                entry["traceback"] = _err(e)
+                self.say(f"[bench] {c.name}: ERROR {_short(e)}")
+            self._free()
+            out.append(entry)
+        ctx.clear()
+        self._free()
+        return out
+
+    def _entry(self, c: C.Case, pool: C.Pool, label: str, N: int) -> dict:
+        return {"name": c.name, "group": c.group, "batch": c.batch, "prefix": c.prefix, "extend": c.extend,
+                "window": c.window, "mode": c.mode, "kv_layers": pool.kv_layers,
+                "bytes_per_token": pool.bytes_per_token if pool.kv_layers else 0, "pool_label": label,
+                "entries": c.entries if "verify" in c.ops else 0, "tokens": c.tokens, "pool_slots": N,
+                "timed_ops": list(c.ops), "ops": {}, "set_bytes": None, "error": None}
+
+    @staticmethod
+    def bytes_of(c: C.Case, pool: C.Pool) -> dict:
+        """Minimum bytes per op for ``c`` on ``pool`` (see floors.py)."""
+        return floors.case_bytes(c, pool, index_dtype=workloads.INDEX_DTYPE, table_dtype=workloads.TABLE_DTYPE,
+                                 lut_dtype=workloads.LUT_DTYPE)
+
+    def run_case(self, c: C.Case, pool: C.Pool, ctx: dict, entry: dict) -> None:
+        s, p, xp = self.suite, self.p, self.xp
+        t_case = time.monotonic()
+        k, flush = entry["sets"], entry["l2_flush"]
+        canary, log, rs = ctx["canary"], ctx["log"], ctx["rs"]
+        mode = RealKvMode[c.mode]
+        sources = ctx["sources"]
+        high = C.draw_range(c, k, pool)
+        slots = workloads.draw_slots(xp, rs, k * c.slots, high)
+        insts = [workloads.build(xp, p.device, c, slots[i * c.slots:(i + 1) * c.slots], rs, ctx["lut"])
+                 for i in range(k)]
+        del slots
+        for inst in insts:
+            workloads.populate(xp, p.device, inst, canary, log, rs, sources=sources, mode=mode, stream=self._stream())
+        p.sync()
+        log.clear(self._stream())
+        entry["set_bytes"] = sum(self.bytes_of(c, pool).values())
+        calls = [workloads.op_calls(inst, canary, log, sources=sources, mode=mode, stream=self._stream())
+                 for inst in insts]
+        for cl in calls:  # every set planned before verify / write are timed
+            cl["plan"]()
+        p.sync()
+
+        nbytes = self.bytes_of(c, pool)
+        for op in c.ops:
+            t = p.timer.device(lambda i, op=op: calls[i % k][op](), runs=s.runs, warmup=max(3, k), flush=flush,
+                               budget_s=s.op_budget_s)
+            fl = floors.floor_us(nbytes[op], self.bw)
+            entry["ops"][op] = t.as_dict() | {"bytes": nbytes[op], "floor_us": fl,
+                                              "x_floor": t.device_us / fl if fl and fl == fl else None}
+        p.sync()
+        sc = insts[0].vp.host_scalars()
+        entry["checks"] = {"violations": log.count, "requested": sc["requested"], "enable": sc["enable"],
+                           "input_errors": sc["input_errors"], "expected_entries": c.entries}
+        line = ", ".join(f"{op} {entry['ops'][op]['device_us']:.1f} us" for op in c.ops)
+        self.say(f"[bench] {c.name}: {line}; violations {log.count}")
+
+        if not c.baseline or not self.baseline:
+            entry["baseline"] = {"skipped": "not timed for this case" if self.baseline else self.torch_note}
+        elif self.elapsed() > s.soft_deadline_s:
+            entry["baseline"] = {"skipped": f"past the {s.soft_deadline_s:.0f} s budget"}
+        else:
+            try:
+                entry["baseline"] = self.run_baseline(c, insts, canary, sources, mode, k, flush)
+                b = entry["baseline"]["ops"]
+                self.say(f"[bench] {c.name}: torch " + ", ".join(f"{op} {b[op]['device_us']:.1f} us" for op in b))
+            except Exception as e:  # noqa: BLE001
+                entry["baseline"] = {"error": _short(e), "traceback": _err(e)}
+                self.say(f"[bench] {c.name}: baseline ERROR {_short(e)}")
+        entry["wall_s"] = round(time.monotonic() - t_case, 2)
+
+    def run_baseline(self, c, insts, canary, sources, mode, k, flush) -> dict:
+        import torch  # noqa: PLC0415
+
+        from . import torch_baseline as tb  # noqa: PLC0415
+
+        s, p = self.suite, self.p
+        p.sync()
+        dev = p.torch_device()
+        trec = torch.from_dlpack(canary.records).clone()
+        # The step's slots of set 0 are poisoned in the baseline's copy: only its own write restores them.
+        loc0 = torch.from_dlpack(insts[0].out_cache_loc)
+        trec[loc0] = -7
+        tlog = tb.TorchLog.allocate(capacity=LOG_CAPACITY, device=dev)
+        tsrc = [tb.TorchKvSource.from_source(src) for src in sources]
+        tis = [workloads.torch_instance(inst, dev) for inst in insts]
+        tcs = [workloads.torch_calls(ti, trec, tlog, sources=tsrc, mode=mode, window=c.window) for ti in tis]
+        for tc in tcs:
+            tc["plan"]()
+        timer = p.torch_timer()
+        res = {"ops": {}, "agrees": {}}
+        for op in c.ops:
+            t = timer.device(lambda i, op=op: tcs[i % k][op](), runs=s.runs, warmup=2, flush=flush,
+                             budget_s=s.baseline_budget_s)
+            res["ops"][op] = t.as_dict()
+        # Each set owns its plans on both sides, so set 0's plans hold set 0's step.
+        timer.sync()
+        p.sync()
+        res["agrees"] = self._agreement(c, insts[0], tis[0], canary, trec, tlog, "verify" in c.ops)
+        timer.release()
+        return res
+
+    def _agreement(self, c, inst, ti, canary, trec, tlog, verified: bool) -> dict:
+        xp = self.xp
+
+        def same(a, t):
+            return bool(xp.array_equal(a, xp.from_dlpack(t.contiguous())))
+
+        n = c.entries
+        vp, tvp = inst.vp, ti.vp
+        plan_ok = all(same(getattr(vp, f)[:n], getattr(tvp, f)[:n]) for f in
+                      ("slot_indices", "prev_slot_indices", "expected_positions", "expected_tokens"))
+        plan_ok &= same(vp.offsets, tvp.offsets) and same(inst.wp.offsets, ti.wp.offsets)
+        plan_ok &= same(inst.wp.seed_slots, ti.wp.seed_slots)
+        out = {"plan": plan_ok, "baseline_violations": int(tlog.head[0])}
+        if "write" in c.ops:
+            import torch  # noqa: PLC0415
+
+            loc = inst.out_cache_loc
+            out["write"] = same(canary.records[loc], trec[torch.from_dlpack(loc)])
+        if verified:
+            out["verify"] = int(tlog.head[0]) == 0
+        return out

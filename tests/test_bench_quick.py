@@ -1,0 +1,366 @@
+"""The bench harness: case sizes, byte counts, workloads, the report, and whole runs.
+
+The pure parts run anywhere; ``test_cpu_dry_run`` drives the whole harness on the
+NumPy reference (figures meaningless, plumbing real); the GPU-marked smoke test
+runs ``--quick`` on a device and checks every figure came back clean.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from kvcanary_cupy.bench import cases as C
+from kvcanary_cupy.bench import floors, main, report, workloads
+
+H200_L2 = 60 << 20
+
+
+# --- the suite ------------------------------------------------------------------------
+def test_full_suite_covers_the_requested_grid():
+    s = C.full_suite()
+    names = [c.name for c in s.cases]
+    assert len(names) == len(set(names))
+    decode = {(c.batch, c.prefix) for c in s.cases if c.group == "decode"}
+    assert decode == {(b, p) for b in (1, 64, 256, 1024) for p in (512, 4096, 16384)}
+    prefill = {(c.batch, c.extend) for c in s.cases if c.group == "prefill"}
+    assert prefill == {(b, e) for b in (1, 32) for e in (2048, 16384)}
+    entries = {c.entries for c in s.cases}
+    assert 1024 * 4096 in entries and 1024 * 16384 in entries
+    swa = [c for c in s.cases if c.group == "swa"]
+    assert swa and all(c.window == 4096 and c.entries >= 1 << 20 for c in swa)
+    for layers in (1, 32):
+        kv = [c for c in s.cases if c.group == "real_kv" and s.pool(c.pool).kv_layers == layers]
+        assert {c.mode for c in kv} == {"NONE", "PARTIAL", "ALL"}
+        assert all(c.entries >= 1_000_000 for c in kv)
+        rows = [c for c in s.cases if c.group == "write_row" and s.pool(c.pool).kv_layers == layers]
+        assert {c.mode for c in rows} == {"ALL", "NONE"} and all(c.tokens == 16384 for c in rows)
+    assert all(s.pool(c.pool) for c in s.cases)
+    assert s.runs >= 50 and s.copy_bytes >= 1 << 30
+
+
+def test_full_suite_fits_one_h200_and_draws_from_a_ten_million_slot_pool():
+    s = C.full_suite()
+    for pool in s.pools:
+        n, sets = C.layout(s, pool, H200_L2)
+        assert C.device_bytes(s, pool, H200_L2) < 40 << 30, pool.name
+        for c in s.cases:
+            if c.pool != pool.name:
+                continue
+            k, _ = sets[c.name]
+            assert k * c.slots <= C.draw_range(c, k, pool) < n  # distinct slots fit, slot 0 stays free
+    main_n, _ = C.layout(s, s.pool("main"), H200_L2)
+    assert main_n > 10_000_000
+
+
+def test_rotation_exceeds_twice_l2_or_flushes():
+    assert C.rotation(200 << 20, H200_L2, 8) == (1, False)
+    k, flush = C.rotation(40 << 20, H200_L2, 8)
+    assert k == 3 and not flush and k * (40 << 20) >= 2 * H200_L2
+    assert C.rotation(1000, H200_L2, 8) == (8, True)
+    assert C.rotation(1000, 0, 8) == (1, False)  # no cache to defeat (CPU)
+
+
+def test_select_filters_by_regex():
+    s = C.select(C.full_suite(), r"^decode b1024")
+    assert {c.batch for c in s.cases} == {1024} and len(s.cases) == 3
+
+
+# --- byte counts -------------------------------------------------------------------------
+def test_floor_formulas_by_hand():
+    # 2 rows, 10 entries, int64 row inputs, int32 table, no window.
+    assert floors.plan_bytes(batch=2, entries=10, head_reads=0, index_itemsize=8, table_itemsize=4) == (
+        3 * 2 * 8 + 10 * 4 + 10 * 32 + 3 * 8 + 3 * 8 + 2 * 8)
+    assert floors.plan_bytes(batch=2, entries=10, head_reads=2, index_itemsize=8, table_itemsize=4,
+                             lut_itemsize=4, verify=False) == 3 * 2 * 8 + 12 * 8 + 3 * 8 + 2 * 8
+    assert floors.verify_bytes(entries=10, head_reads=0) == 10 * 24 + 10 * 32
+    assert floors.verify_bytes(entries=10, head_reads=1, check_tokens=True, kv_per_slot=256) == (
+        10 * 32 + 11 * 32 + 10 * 256)
+    assert floors.write_bytes(batch=2, tokens=6, seeded_rows=2, index_itemsize=8, kv_per_slot=16) == (
+        6 * 24 + 5 * 8 + 2 * 32 + 6 * 32 + 6 * 16)
+    assert floors.kv_bytes_per_slot("NONE", 32, 256) == 0
+    assert floors.kv_bytes_per_slot("PARTIAL", 32, 256) == 32 * 16
+    assert floors.kv_bytes_per_slot("ALL", 32, 256) == 32 * 256
+    assert floors.kv_bytes_per_slot("ALL", 1, 256, read_bytes=128) == 128
+    with pytest.raises(ValueError, match="kvcanary: mode"):
+        floors.kv_bytes_per_slot("SOME", 1, 256)
+    assert floors.floor_us(4_000_000, 4e12) == pytest.approx(1.0)
+    assert math.isnan(floors.floor_us(1, 0))
+
+
+def test_case_bytes_of_a_large_decode_step():
+    c = C.Case("d", "decode", 1024, 4096, 1)
+    b = floors.case_bytes(c, C.Pool("main", 10_000_000))
+    n = 1024 * 4096
+    assert b["verify"] == n * 24 + n * 32
+    assert n * (4 + 32) < b["plan"] < n * (4 + 32) + 100_000
+    kv = floors.case_bytes(C.Case("k", "real_kv", 1024, 4096, 1, pool="kv", mode="ALL"),
+                           C.Pool("kv", 10_000_000, kv_layers=32))
+    assert kv["verify"] == n * (24 + 32 + 32 * 256)
+
+
+# --- workloads on the reference ----------------------------------------------------------------
+@pytest.mark.parametrize("case,kv_layers", [
+    (C.Case("d", "decode", 3, 40, 1), 0),
+    (C.Case("p", "prefill", 2, 0, 9, ops=("plan", "write")), 0),
+    (C.Case("w", "swa", 3, 40, 2, window=7), 0),
+    (C.Case("k", "real_kv", 2, 24, 1, mode="ALL"), 2),
+    (C.Case("k", "real_kv", 2, 24, 1, mode="PARTIAL"), 1),
+])
+def test_bench_steps_are_clean_and_sized_as_counted(case, kv_layers):
+    xp, dev = np, "cpu"
+    rs = workloads.random_state(xp, 5)
+    num_slots = 2000
+    lut = workloads.make_lut(xp, rs, num_slots) if case.window else None
+    canary = kc.CanaryBuffer.allocate(num_slots=num_slots, device=dev)
+    log = kc.ViolationLog.allocate(capacity=64, device=dev)
+    sources = ()
+    if kv_layers:
+        kv = workloads.make_kv(xp, kv_layers, num_slots, 32)
+        assert np.unique(kv).shape[0] == kv.size  # distinct words, never all zeros
+        sources = (workloads.kv_source(kv),)
+    mode = kc.RealKvMode[case.mode]
+    insts = []
+    slots = workloads.draw_slots(xp, rs, 2 * case.slots, num_slots - 1)
+    assert np.unique(slots).shape[0] == slots.shape[0] and slots.min() >= 1 and slots.max() < num_slots
+    for i in range(2):  # two sets on one canary, as the timer rotates them
+        inst = workloads.build(xp, dev, case, slots[i * case.slots:(i + 1) * case.slots], rs, lut)
+        workloads.populate(xp, dev, inst, canary, log, rs, sources=sources, mode=mode)
+        insts.append(inst)
+    assert log.count == 0
+    for inst in insts:
+        calls = workloads.op_calls(inst, canary, log, sources=sources, mode=mode)
+        for op in ("plan", "verify", "write", "verify"):
+            calls[op]()
+        sc = inst.vp.host_scalars()
+        assert sc == {"num_valid": case.entries, "enable": 1, "requested": case.entries, "input_errors": 0}
+        assert log.count == 0
+        written = canary.records[inst.out_cache_loc]
+        assert np.array_equal(written[:, kc.format.FIELD_POSITION], inst.positions)
+        assert np.array_equal(written[:, kc.format.FIELD_TOKEN], inst.input_ids)
+        if mode != kc.RealKvMode.NONE:
+            assert np.all(written[:, kc.format.FIELD_FINGERPRINT] != 0)
+    b = floors.case_bytes(case, C.Pool("p", num_slots, kv_layers=kv_layers, bytes_per_token=32))
+    vp = insts[0].vp
+    assert b["plan"] >= case.entries * 32 + vp.offsets.nbytes  # at least what the plan writes
+    assert b["write"] >= case.tokens * 32  # at least the records written
+    # A verify of the prefix corrupted in one record must now report it.
+    canary.records[int(insts[0].vp.slot_indices[case.entries // 2]), kc.format.FIELD_POSITION] += 1
+    workloads.op_calls(insts[0], canary, log, sources=sources, mode=mode)["verify"]()
+    assert case.entries == 0 or log.count >= 1
+
+
+# --- report ----------------------------------------------------------------------------
+def _fake_results():
+    def ops(plan, verify, write, xf):
+        return {op: {"device_us": t, "host_us": 5.0, "runs": 50, "bytes": 1, "floor_us": t / xf, "x_floor": xf}
+                for op, t in (("plan", plan), ("verify", verify), ("write", write))}
+
+    def case(name, group, entries, o, base=None, mode="NONE", layers=0, label="none",
+             timed=("plan", "verify", "write")):
+        return {"name": name, "group": group, "entries": entries, "tokens": 1024, "mode": mode, "kv_layers": layers,
+                "pool_label": label, "timed_ops": list(timed), "ops": o, "error": None,
+                "baseline": {"ops": base} if base else {"skipped": "n/a"}}
+
+    cases = [
+        case("decode b1024 p4096", "decode", 1 << 22, ops(100.0, 200.0, 10.0, 1.2), ops(900.0, 1800.0, 90.0, 1)),
+        case("decode b1024 p16384", "decode", 1 << 24, ops(400.0, 800.0, 10.0, 1.25), ops(2000.0, 4000.0, 50.0, 1)),
+        case("decode b1 p512", "decode", 512, ops(5.0, 5.0, 5.0, 40.0)),
+        case("real-kv ALL", "real_kv", 1 << 20, ops(30.0, 300.0, 5.0, 1.4), mode="ALL", layers=1, label="1x256B"),
+        case("row ALL", "write_row", 0, {"write": {"device_us": 900.0}}, mode="ALL", layers=1, label="1x256B",
+             timed=("write",)),
+        case("row NONE", "write_row", 0, {"write": {"device_us": 700.0}}, mode="NONE", layers=1, label="1x256B",
+             timed=("write",)),
+        {"name": "broken", "group": "decode", "entries": 5, "tokens": 1, "error": "RuntimeError: boom"},
+    ]
+    host = {"case": "decode b64 p512", "calls": 2000, "bare_launch_us": 4.0, "bare_launch_args_us": 5.0,
+            "plan_us": 5.5, "verify_us": 7.0, "write_us": 5.0, "step_us": 18.0, "step_device_us": 12.0,
+            "graph_replay_host_us": 3.0, "graph_replay_device_us": 9.0,
+            "baseline": {"plan_us": 300.0, "verify_us": 200.0, "write_us": 250.0, "step_us": 800.0}}
+    return {"meta": {"device": "NVIDIA H200", "platform": "cuda", "suite": "full", "runs": 50, "date": "today",
+                     "notes": ["a note"]},
+            "copy": {"buffer_bytes": 1 << 30, "bytes_moved": 2 << 30, "time_us": 500.0,
+                     "bandwidth_bytes_per_s": 4.3e12},
+            "host": host, "cases": cases}
+
+
+def test_targets_from_a_made_up_result():
+    t = {x["target"]: x for x in report.evaluate(_fake_results())}
+    assert t["plan <= 1.3x floor at >= 1M entries"]["result"] == "PASS"
+    assert t["plan <= 1.3x floor at >= 1M entries"]["value"] == pytest.approx(1.25)
+    assert "p16384" in t["plan <= 1.3x floor at >= 1M entries"]["detail"]
+    kv = t["verify, real-KV ALL 256 B/token, <= 1.3x floor at >= 1M entries"]
+    assert kv["result"] == "MISS" and kv["value"] == pytest.approx(1.4)
+    assert t["host: plan <= 1.5x a bare launch"]["result"] == "PASS"
+    assert t["host: verify <= 1.5x a bare launch"]["result"] == "MISS"  # 7 / 4 = 1.75
+    assert t["host: plan + verify + write <= 30 us of CPU"]["result"] == "PASS"
+    base = t["baseline >= 5x slower (device time of a step) at >= 1M entries"]
+    assert base["value"] == pytest.approx(6050 / 1210) and base["result"] == "PASS"
+    assert t["baseline takes more host time per step"]["result"] == "PASS"
+    empty = report.evaluate({"cases": [], "host": {}})
+    assert {x["result"] for x in empty} == {"n/a"}
+
+
+def test_markdown_and_summary_of_a_made_up_result():
+    r = _fake_results()
+    r["targets"] = report.evaluate(r)
+    md = report.markdown(r)
+    assert "NVIDIA H200" in md and "4,300 GB/s" in md
+    assert "| decode b1024 p4096 | 4Mi | 1024 | plan | 100.0 |" in md
+    assert "| broken |" in md and "error" in md
+    assert "| 1x256B | 1024 | 900.0 | 700.0 | 200.0 |" in md  # total, serial chain, fingerprint part
+    assert "**MISS**" in md and "**PASS**" in md and "- a note" in md
+    out = report.summary(r)
+    assert out.splitlines()[0].startswith("copy bandwidth: 4,300 GB/s")
+    assert "cases with errors (1): broken" in out.splitlines()[-1]
+
+
+def test_splice_replaces_appends_or_creates(tmp_path):
+    assert report.splice(None, "T") == f"{report.BEGIN}\nT\n{report.END}\n"
+    text = f"# Title\n\nintro\n\n{report.BEGIN}\nold\ntable\n{report.END}\n\nafter\n"
+    new = report.splice(text, "NEW\n")
+    assert new == f"# Title\n\nintro\n\n{report.BEGIN}\nNEW\n{report.END}\n\nafter\n"
+    assert report.splice(new, "NEW") == new  # idempotent
+    assert report.splice("# Title\n", "T").endswith(f"# Title\n\n{report.BEGIN}\nT\n{report.END}\n")
+    p = tmp_path / "sub" / "README.md"
+    report.update_markdown(str(p), "one")
+    report.update_markdown(str(p), "two")
+    assert p.read_text() == f"{report.BEGIN}\ntwo\n{report.END}\n"
+
+
+def test_json_is_strict(tmp_path):
+    p = tmp_path / "r.json"
+    report.write_json({"a": float("nan"), "b": [1.5, float("inf")], "c": {"d": (1, 2)},
+                       "e": np.int64(3), "f": np.float64("nan")}, str(p))
+    assert json.loads(p.read_text()) == {"a": None, "b": [1.5, None], "c": {"d": [1, 2]}, "e": 3, "f": None}
+
+
+class _FakeCupy:
+    """Just enough of CuPy for CudaTimer: events stamp a shared clock, memsets are logged."""
+
+    def __init__(self):
+        self.clock = 0.0
+        self.log = []
+        fake = self
+
+        class Event:
+            def record(self, stream):
+                fake.log.append(("record", stream))
+                self.t = fake.clock
+
+        class Ptr:
+            def memset_async(self, value, size, stream):
+                fake.log.append(("flush", size))
+
+        class Scratch:
+            data = Ptr()
+
+        self.uint8 = np.uint8
+        self.empty = lambda n, dtype: Scratch()
+        self.cuda = type("cuda", (), {"Event": Event,
+                                      "get_elapsed_time": staticmethod(lambda a, b: b.t - a.t)})
+
+
+def test_cuda_timer_brackets_each_run_and_flushes_between_runs():
+    from kvcanary_cupy.bench.timing import CudaTimer  # noqa: PLC0415
+
+    cp = _FakeCupy()
+    stream = type("S", (), {"synchronize": lambda self: None})()
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        cp.clock += 0.001 * (1 + i % 3)  # a run takes 1, 2 or 3 us of "device" time
+
+    t = CudaTimer(cp, stream, flush_bytes=1 << 20).device(fn, runs=7, warmup=3, flush=True)
+    assert calls == [0, 1, 2] + list(range(7))  # warm-up runs, then the timed ones, indices for rotation
+    assert t.runs == 7 and t.device_samples == pytest.approx([1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 1.0])
+    assert t.device_us == pytest.approx(2.0)
+    kinds = [k for k, _ in cp.log]
+    assert kinds == ["flush", "record", "record"] * 7  # the flush lies outside each bracketed run
+    slow = CudaTimer(cp, stream, flush_bytes=0).device(lambda i: time.sleep(0.002), runs=50, warmup=3,
+                                                       budget_s=0.001)
+    assert slow.runs == 3  # over budget: the fewest runs allowed
+
+
+def test_main_rejects_bad_runs():
+    with pytest.raises(SystemExit, match="kvcanary: --runs"):
+        main(["--runs", "0"])
+
+
+def test_readme_has_the_markers():
+    import pathlib  # noqa: PLC0415
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "README.md").read_text()
+    assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
+    assert text.index(report.BEGIN) < text.index(report.END)
+
+
+# --- whole runs ---------------------------------------------------------------------------
+def _check_run(res, md_text, *, expect_baseline: bool, expect_graph: bool):
+    assert not res["copy"].get("error") and res["copy"]["bandwidth_bytes_per_s"] > 0
+    host = res["host"]
+    assert not host.get("error"), host.get("traceback")
+    assert host["violations"] == 0
+    for k in ("bare_launch_us", "plan_us", "verify_us", "write_us", "step_us"):
+        assert host[k] > 0
+    if expect_graph:
+        assert not host.get("graph_error"), host.get("graph_traceback")
+        assert host["graph_replay_device_us"] > 0
+    assert res["cases"]
+    for c in res["cases"]:
+        assert not c["error"], f"{c['name']}: {c.get('traceback')}"
+        assert c["checks"]["violations"] == 0, c["name"]
+        if "verify" in c["timed_ops"]:
+            assert c["checks"]["requested"] == c["checks"]["expected_entries"] == c["entries"]
+            assert c["checks"]["enable"] == 1 and c["checks"]["input_errors"] == 0
+        for op in c["timed_ops"]:
+            o = c["ops"][op]
+            assert o["device_us"] > 0 and o["bytes"] > 0 and o["runs"] >= 1
+        b = c["baseline"]
+        if expect_baseline and "skipped" not in b:
+            assert not b.get("error"), f"{c['name']}: {b.get('traceback')}"
+            assert all(b["agrees"][k] is True for k in ("plan", "write")), (c["name"], b["agrees"])
+            assert b["agrees"].get("verify", True) is True, (c["name"], b["agrees"])
+    assert {t["result"] for t in res["targets"]} <= {"PASS", "MISS", "n/a"}
+    assert report.BEGIN in md_text and "**Targets**" in md_text
+
+
+def _torch_available(cuda: bool) -> bool:
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        return False
+    return torch.cuda.is_available() if cuda else True
+
+
+def test_cpu_dry_run(tmp_path, capsys):
+    """The harness end to end on the NumPy reference and CPU torch (figures meaningless)."""
+    j, md = tmp_path / "b.json", tmp_path / "README.md"
+    md.write_text(f"# Bench\n\n{report.BEGIN}\nold\n{report.END}\n\ntail\n")
+    rc = main(["--quick", "--device", "cpu", "--runs", "2", "--json", str(j), "--markdown", str(md),
+               "--only", r"decode b4|swa|PARTIAL|write row 1x"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    res = json.loads(j.read_text())
+    text = md.read_text()
+    assert text.startswith("# Bench\n\n") and text.endswith("\n\ntail\n") and "old" not in text
+    _check_run(res, text, expect_baseline=_torch_available(False), expect_graph=False)
+    assert {c["group"] for c in res["cases"]} == {"decode", "swa", "real_kv", "write_row"}
+    assert out.rstrip().splitlines()[-1].startswith("baseline takes more host time")  # the short table is last
+
+
+@pytest.mark.gpu
+def test_quick_bench_on_the_gpu(tmp_path):
+    """``--quick`` on a GPU: every case runs clean, the baseline agrees, a step replays as a graph."""
+    j, md = tmp_path / "b.json", tmp_path / "README.md"
+    rc = main(["--quick", "--runs", "3", "--json", str(j), "--markdown", str(md)])
+    res = json.loads(j.read_text())
+    _check_run(res, md.read_text(), expect_baseline=_torch_available(True), expect_graph=True)
+    assert rc == 0
+    assert res["meta"]["platform"] == "cuda"
+    assert any(c["l2_flush"] for c in res["cases"])  # tiny cases: the timer evicted L2 between runs
