@@ -25,8 +25,8 @@ __all__ = [
 
 
 def __getattr__(name):
-    if name == "KvCanary":  # the monitor pulls in more; load it on first use
-        from .monitor import KvCanary  # noqa: PLC0415
+    if name in ("KvCanary", "KvCanaryError", "KvCanaryWarning", "SwaGroup", "SweepChain"):
+        from . import monitor  # noqa: PLC0415  (the monitor pulls in more; load it on first use)
 
-        return KvCanary
+        return getattr(monitor, name)
     raise AttributeError(f"module 'kvcanary_cupy' has no attribute {name!r}")

@@ -157,8 +157,8 @@ class ViolationLog:
             self._event = cp.cuda.Event(disable_timing=True)
         s = cp.cuda.ExternalStream(arrays.resolve_stream(stream, ()))
         head_np, ring_np = self._pinned
-        self.head.get(stream=s, out=head_np)
-        self.ring.get(stream=s, out=ring_np)
+        self.head.get(stream=s, out=head_np, blocking=False)  # CuPy's default blocks the host
+        self.ring.get(stream=s, out=ring_np, blocking=False)
         self._event.record(s)
         self._staged = (self._event, head_np, ring_np)
 

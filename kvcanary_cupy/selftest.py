@@ -1,0 +1,239 @@
+"""``python -m kvcanary_cupy selftest``: prove, on this machine, that the canary is
+silent on a clean engine and catches every fault class.
+
+A clean run drives the simulator (token-level and page-level tables, prefix
+sharing, chunked prefill, decode, a sliding-window pool, a draft pool, eviction,
+sweeps, sampled fingerprints, the verify after the write) and must find nothing. Then, per fault class, each injection runs in a
+fresh simulator: a few clean steps, the fault, and the steps until the detector
+tied to that class reports it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .monitor import KvCanaryWarning
+from .sim import FAULTS, PagedKvSim, SimConfig
+
+WARM_STEPS = 4  # clean steps before arming a fault
+ARM_STEPS = 80  # steps a fault may wait for a target (e.g. a cached block) before it counts as not injected
+WAIT_STEPS = 12  # steps after injection the tied detector has to report
+
+
+@dataclass
+class ClassResult:
+    number: int
+    name: str
+    detector: str
+    requested: int
+    injected: int = 0
+    detected: int = 0
+    steps: list = field(default_factory=list)
+    false_positives: int = 0
+    clean_steps: int = 0
+    other: int = 0  # violations after injection from other detectors (collateral, not false positives)
+    misses: list = field(default_factory=list)
+
+    @property
+    def median_steps(self):
+        return statistics.median(self.steps) if self.steps else None
+
+    @property
+    def ok(self) -> bool:
+        return self.injected == self.requested and self.detected == self.requested and self.false_positives == 0
+
+    def as_dict(self) -> dict:
+        return {"number": self.number, "name": self.name, "detector": self.detector, "requested": self.requested,
+                "injected": self.injected, "detected": self.detected, "median_steps": self.median_steps,
+                "steps": self.steps, "false_positives": self.false_positives, "clean_steps": self.clean_steps,
+                "other_detections": self.other, "misses": self.misses, "ok": self.ok}
+
+
+def resolve_backend(backend: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for ``auto`` / ``numpy`` / ``cuda``."""
+    if backend == "numpy":
+        return "cpu"
+    if backend == "cuda":
+        return "cuda"
+    if backend != "auto":
+        raise ValueError(f"kvcanary: backend: expected auto, numpy or cuda, got {backend!r}")
+    try:
+        import cupy  # noqa: PLC0415
+
+        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+    except Exception:  # noqa: BLE001  (no CuPy / driver / device: the NumPy backend)
+        return "cpu"
+
+
+def configs(device: str, seed: int) -> list[SimConfig]:
+    """The two engine shapes every run alternates: token-level and page-level tables."""
+    return [SimConfig(device=device, page_size=1, num_pages=320, seed=seed),
+            SimConfig(device=device, page_size=4, num_pages=80, seed=seed)]
+
+
+def clean_configs(device: str, seed: int) -> list[SimConfig]:
+    """The clean run adds a third shape: 2-slot pages, a short window, odd chunks, sampled
+    fingerprints and the second verify after the write."""
+    return configs(device, seed) + [SimConfig(device=device, page_size=2, num_pages=160, swa_window=5, chunk=7,
+                                              sample_period=3, verify_after=True, seed=seed)]
+
+
+def clean_run(device: str, steps: int, seed: int, progress) -> dict:
+    out = {"steps": 0, "violations": 0, "input_errors": 0, "overflows": 0, "examples": [],
+           "slots_checked": 0, "sweep_entries": 0, "prefix_hits": 0}
+    cfgs = clean_configs(device, seed)
+    per = [steps // len(cfgs) + (i < steps % len(cfgs)) for i in range(len(cfgs))]
+    for cfg, n in zip(cfgs, per):
+        if n == 0:
+            continue
+        sim = PagedKvSim(cfg)
+        for k in range(n):
+            rec = sim.step()
+            out["violations"] += len(rec.violations)
+            out["examples"] += [f"step {rec.step} {m}: {v}" for m, v in rec.violations][:5 - len(out["examples"])]
+            if (out["steps"] + k + 1) % 500 == 0:
+                progress(f"  clean run: {out['steps'] + k + 1}/{steps} steps, {out['violations']} violations")
+        out["steps"] += n
+        out["prefix_hits"] += sim.stats_prefix_hits
+        for mon in sim.monitors.values():
+            s = mon.stats()
+            out["input_errors"] += s["input_errors"]
+            out["overflows"] += s["overflows"]
+            out["slots_checked"] += s["slots_checked"]
+            out["sweep_entries"] += s["sweep_entries"]
+    return out
+
+
+def inject_once(fault_cls, device: str, seed: int, variant: int, res: ClassResult) -> None:
+    cfg = configs(device, seed)[variant % 2]
+    sim = PagedKvSim(cfg)
+    fault = fault_cls(np.random.default_rng(seed + 7))
+    for _ in range(WARM_STEPS):
+        rec = sim.step()
+        res.false_positives += len(rec.violations)
+        res.clean_steps += 1
+    armed, found = False, False
+    for _ in range(ARM_STEPS + WAIT_STEPS):
+        if not armed:
+            armed = fault.arm(sim)
+        rec = sim.step()
+        if fault.fired_at is None or rec.step < fault.fired_at:
+            res.false_positives += len(rec.violations)
+            res.clean_steps += 1
+            if fault.fired_at is None and sim.clock >= WARM_STEPS + ARM_STEPS:
+                break
+            continue
+        hits = [v for m, v in rec.violations if fault.matches(m, v)]
+        res.other += len(rec.violations) - len(hits)
+        if hits:
+            found = True
+            res.steps.append(rec.step - fault.fired_at)
+            break
+        if rec.step - fault.fired_at >= WAIT_STEPS:
+            break
+    if fault.fired_at is not None:
+        res.injected += 1
+        res.detected += int(found)
+    if not found:
+        res.misses.append({"seed": seed, "variant": variant, "fired_at": fault.fired_at,
+                           "info": {k: str(v) for k, v in fault.info.items()}})
+
+
+def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed: int = 0, progress=print) -> dict:
+    """Run the whole selftest; returns the report (see ``--json``).
+
+    The monitors' own warnings (e.g. out-of-range plan input a fault provokes) are
+    silenced while it runs; the clean run's input errors and overflows are counted
+    in the report instead.
+    """
+    log = logging.getLogger("kvcanary")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KvCanaryWarning)
+            return _run(backend, steps, injections, seed, progress)
+    finally:
+        log.setLevel(level)
+
+
+def _run(backend: str, steps: int, injections: int, seed: int, progress) -> dict:
+    device = resolve_backend(backend)
+    t0 = time.perf_counter()
+    progress(f"kvcanary selftest on {'the NumPy backend (cpu)' if device == 'cpu' else 'CUDA'}: "
+             f"{steps} clean steps, {injections} injections x {len(FAULTS)} fault classes, seed {seed}")
+    clean = clean_run(device, steps, seed, progress)
+    progress(f"  clean run: {clean['violations']} violations, {clean['input_errors']} input errors "
+             f"({time.perf_counter() - t0:.1f} s)")
+    classes = []
+    for fc in FAULTS:
+        t1 = time.perf_counter()
+        res = ClassResult(fc.number, fc.name, fc.detector, injections)
+        for i in range(injections):
+            inject_once(fc, device, seed * 1_000_003 + fc.number * 1009 + i, i, res)
+        classes.append(res)
+        med = "-" if res.median_steps is None else f"{res.median_steps:g}"
+        progress(f"  [{fc.number:2d}/{len(FAULTS)}] {fc.name}: {res.detected}/{res.injected} detected, "
+                 f"median {med} steps, {res.false_positives} false positives ({time.perf_counter() - t1:.1f} s)")
+    elapsed = time.perf_counter() - t0
+    ok = clean["violations"] == 0 and clean["input_errors"] == 0 and all(c.ok for c in classes)
+    return {"ok": ok, "backend": "numpy" if device == "cpu" else "cuda", "device": device, "seed": seed,
+            "seconds": round(elapsed, 2), "clean": clean, "classes": [c.as_dict() for c in classes]}
+
+
+def format_table(report: dict) -> str:
+    rows = [("#", "fault class", "tied detector", "injected", "detected", "median steps", "false pos.")]
+    for c in report["classes"]:
+        med = "-" if c["median_steps"] is None else f"{c['median_steps']:g}"
+        rows.append((str(c["number"]), c["name"], c["detector"], str(c["injected"]), str(c["detected"]), med,
+                     str(c["false_positives"])))
+    cl = report["clean"]
+    rows.append(("-", "clean run", "all", "-", "-", "-", str(cl["violations"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(x.ljust(w) if j in (1, 2) else x.rjust(w) for j, (x, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    clean_steps = cl["steps"] + sum(c["clean_steps"] for c in report["classes"])
+    fp = cl["violations"] + sum(c["false_positives"] for c in report["classes"])
+    lines.append("")
+    lines.append(f"clean steps: {clean_steps} ({cl['steps']} in the clean run), false positives: {fp}, "
+                 f"input errors: {cl['input_errors']}, plan overflows: {cl['overflows']}, "
+                 f"prefix hits: {cl['prefix_hits']}")
+    lines.append("median steps: steps after the first step that could see the fault (0: that very step)")
+    lines.append(f"{'PASS' if report['ok'] else 'FAIL'} in {report['seconds']:.1f} s on {report['backend']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcanary_cupy selftest",
+                                 description="Clean run plus every fault class on a simulated paged-KV engine.")
+    ap.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto")
+    ap.add_argument("--steps", type=int, default=2000, help="clean-run steps (default 2000)")
+    ap.add_argument("--injections", type=int, default=20, help="injections per fault class (default 20)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = ap.parse_args(argv)
+    if args.steps < 0 or args.injections < 1:
+        ap.error("--steps must be >= 0 and --injections >= 1")
+    progress = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    report = run(backend=args.backend, steps=args.steps, injections=args.injections, seed=args.seed,
+                 progress=progress)
+    print(format_table(report))
+    for c in report["classes"]:
+        for m in c["misses"][:3]:
+            print(f"  missed: class {c['number']} {m}")
+    for e in report["clean"]["examples"]:
+        print(f"  clean-run violation: {e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["ok"] else 1

@@ -1,0 +1,122 @@
+"""``python -m kvcanary_cupy selftest | bench | info``: the report, the exit codes, the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvcanary_cupy import __main__ as cli
+from kvcanary_cupy import selftest
+from kvcanary_cupy.sim import FAULTS
+from kvcanary_cupy.sim.faults import Fault
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_small_run_passes_and_reports_every_class():
+    lines = []
+    report = selftest.run(backend="numpy", steps=60, injections=2, seed=3, progress=lines.append)
+    assert report["ok"] and report["backend"] == "numpy"
+    assert report["clean"]["steps"] == 60 and report["clean"]["violations"] == 0
+    assert [c["number"] for c in report["classes"]] == [f.number for f in FAULTS]
+    for c in report["classes"]:
+        assert (c["injected"], c["detected"], c["false_positives"]) == (2, 2, 0)
+        assert c["median_steps"] is not None and 0 <= c["median_steps"] <= selftest.WAIT_STEPS
+    assert any("clean run" in s for s in lines) and sum("/10]" in s for s in lines) == len(FAULTS)
+    table = selftest.format_table(report)
+    assert "PASS" in table and "median steps" in table and "false pos." in table
+    for f in FAULTS:
+        assert f.name in table
+
+
+class NeverFires(Fault):
+    number, name, detector = 99, "never fires", "none"
+
+    def arm(self, sim) -> bool:
+        return False
+
+
+class NeverCaught(Fault):
+    number, name, detector = 98, "caught by nothing", "none"
+
+    def arm(self, sim) -> bool:
+        self._fire(sim, at_next=True)  # claims a fault that changes nothing
+        return True
+
+
+def test_a_missed_or_uninjected_class_fails(monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "FAULTS", [NeverFires, NeverCaught])
+    monkeypatch.setattr(selftest, "ARM_STEPS", 3)
+    report = selftest.run(backend="numpy", steps=10, injections=2, progress=lambda s: None)
+    never, missed = report["classes"]
+    assert not report["ok"]
+    assert (never["injected"], never["detected"]) == (0, 0)
+    assert (missed["injected"], missed["detected"], missed["false_positives"]) == (2, 0, 0)
+    assert len(missed["misses"]) == 2
+    assert selftest.main(["--backend", "numpy", "--steps", "10", "--injections", "1", "--quiet"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_main_writes_json(tmp_path, capsys):
+    path = tmp_path / "report.json"
+    rc = selftest.main(["--backend", "numpy", "--steps", "30", "--injections", "1", "--json", str(path), "--quiet"])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["ok"] and len(report["classes"]) == len(FAULTS) and report["seconds"] > 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_resolve_backend():
+    assert selftest.resolve_backend("numpy") == "cpu"
+    assert selftest.resolve_backend("cuda") == "cuda"
+    assert selftest.resolve_backend("auto") in ("cpu", "cuda")
+    with pytest.raises(ValueError, match="kvcanary: backend"):
+        selftest.resolve_backend("tpu")
+
+
+def test_cli_commands(monkeypatch, capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "kvcanary_cupy" in out and "kernel sources" in out and "gpu" in out
+    assert cli.main([]) == 2 and "usage" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    assert cli.main(["frobnicate"]) == 2 and "unknown command" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "kvcanary_cupy.bench", None)  # as if the bench module were absent
+    assert cli.main(["bench"]) == 2 and "no kvcanary_cupy.bench" in capsys.readouterr().err
+
+
+def test_bench_is_dispatched_with_its_arguments(monkeypatch):
+    import types
+
+    seen = []
+    fake = types.ModuleType("kvcanary_cupy.bench")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "kvcanary_cupy.bench", fake)
+    assert cli.main(["bench", "--quick"]) == 0 and seen == [["--quick"]]
+
+
+def test_module_entry_point_runs_a_selftest():
+    out = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "selftest", "--backend", "numpy", "--steps", "30",
+                          "--injections", "1"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS" in out.stdout and "clean run" in out.stderr
+
+
+@pytest.mark.gpu
+def test_selftest_on_cuda():
+    report = selftest.run(backend="cuda", steps=100, injections=2, progress=lambda s: None)
+    assert report["ok"] and report["backend"] == "cuda", selftest.format_table(report)
+
+
+@pytest.mark.slow
+def test_default_selftest_meets_its_bar():
+    """The shipped defaults: >= 2,000 clean steps, 20 injections per class, all caught, silent, < 60 s."""
+    report = selftest.run(backend="numpy", progress=lambda s: None)
+    assert report["ok"], selftest.format_table(report)
+    assert report["clean"]["steps"] >= 2000 and report["clean"]["violations"] == 0
+    assert all(c["injected"] == c["detected"] == 20 for c in report["classes"])
+    assert report["seconds"] < 60
