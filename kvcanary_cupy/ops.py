@@ -34,6 +34,19 @@ def _expect(obj, cls, name):
     return obj
 
 
+def _canary_device(canary, **objects) -> str:
+    """Type-check the canary and its companions (name=(obj, class); None allowed for
+    optional ones) and require them on the canary's device, which is returned."""
+    _expect(canary, CanaryBuffer, "canary")
+    for name, (obj, cls) in objects.items():
+        if obj is None and name == "sample":
+            continue
+        _expect(obj, cls, name)
+        if obj.device != canary.device:
+            raise ValueError(f"kvcanary: {name}: expected it on {canary.device} like the canary, got {obj.device}")
+    return canary.device
+
+
 def _stream(stream, device, inputs):
     return None if device == "cpu" else arrays.resolve_stream(stream, inputs)
 
@@ -168,13 +181,7 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
         stream: CUDA stream.
     """
     _no_extra("write", extra)
-    _expect(canary, CanaryBuffer, "canary")
-    _expect(write_plan, WritePlan, "write_plan")
-    _expect(log, ViolationLog, "log")
-    device = canary.device
-    for obj, name in ((write_plan, "write_plan"), (log, "log")):
-        if obj.device != device:
-            raise ValueError(f"kvcanary: {name}: expected it on {device} like the canary, got {obj.device}")
+    device = _canary_device(canary, write_plan=(write_plan, WritePlan), log=(log, ViolationLog))
     ids = arrays.as_index_array(input_ids, "input_ids", device=device)
     pos = arrays.as_index_array(positions, "positions", device=device)
     loc = arrays.as_index_array(out_cache_loc, "out_cache_loc", device=device)
@@ -210,17 +217,8 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
         stream: CUDA stream.
     """
     _no_extra("verify", extra)
-    _expect(canary, CanaryBuffer, "canary")
-    _expect(verify_plan, VerifyPlan, "verify_plan")
-    _expect(log, ViolationLog, "log")
-    device = canary.device
-    for obj, name in ((verify_plan, "verify_plan"), (log, "log")):
-        if obj.device != device:
-            raise ValueError(f"kvcanary: {name}: expected it on {device} like the canary, got {obj.device}")
-    if sample is not None:
-        _expect(sample, FingerprintSampler, "sample")
-        if sample.device != device:
-            raise ValueError(f"kvcanary: sample: expected it on {device} like the canary, got {sample.device}")
+    device = _canary_device(canary, verify_plan=(verify_plan, VerifyPlan), log=(log, ViolationLog),
+                            sample=(sample, FingerprintSampler))
     srcs, mode = _sources(real_kv, real_kv_mode, device, canary.num_slots)
     backend_for(device).verify(
         canary, verify_plan, log=log, tag=int(tag), sources=srcs, mode=mode,

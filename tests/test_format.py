@@ -1,4 +1,5 @@
 """The record format: hash constants, vectorized splitmix64 / mix3, chain helpers."""
+import pathlib
 import subprocess
 import sys
 import warnings
@@ -10,20 +11,8 @@ import kvcanary_cupy as kc
 from kvcanary_cupy import format as fmt
 
 M64 = (1 << 64) - 1
-
-
-def splitmix64_int(x: int) -> int:
-    """A scalar model written with Python ints, independent of the vectorized one."""
-    x &= M64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & M64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
-def mix3_int(a, b, c):
-    return splitmix64_int(splitmix64_int(splitmix64_int(a) ^ (b & M64)) ^ (c & M64))
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from workloads import mix as mix3_int, sm64 as splitmix64_int  # noqa: E402  (scalar models on Python ints)
 
 
 def test_published_constants():
