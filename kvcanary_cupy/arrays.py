@@ -3,10 +3,20 @@
 Nothing outside this module knows which framework an input came from. CuPy is
 imported only when the first CUDA array arrives; PyTorch only when the caller
 already imported it (for its current stream).
+
+On the GPU: PyTorch CUDA tensors, JAX arrays and CuPy arrays come in through
+DLPack (or ``__cuda_array_interface__``) as CuPy views of the same memory.
+PyTorch tensors are imported with PyTorch's current stream as the consumer
+stream, so the import adds no cross-stream event (and is legal inside a
+``torch.cuda.graph`` capture). JAX arrays are immutable: their views are marked
+read-only, and an op that would write into one raises. Byte views of bf16 / fp8
+tensors (for :class:`~kvcanary_cupy.RealKvSource`) go through PyTorch's
+``view(torch.uint8)`` or, for JAX, through the array's device buffer pointer.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -74,6 +84,103 @@ def empty(shape, dtype, device: str, fill=None):
 
 
 # --- import ------------------------------------------------------------------
+def _producer(obj) -> str:
+    """The top-level module of an object's type: 'torch', 'jax', 'jaxlib', 'numpy', ..."""
+    return type(obj).__module__.split(".")[0]
+
+
+def _is_jax(obj) -> bool:
+    return _producer(obj) in ("jax", "jaxlib")
+
+
+_READONLY: dict = {}  # id(view) -> weakref(view): CuPy views of immutable (JAX) buffers
+
+
+def _mark_readonly(view):
+    key = id(view)
+    _READONLY[key] = weakref.ref(view, lambda _r, k=key: _READONLY.pop(k, None))
+    return view
+
+
+def is_readonly(a) -> bool:
+    """True for a view the library must not write: a read-only NumPy array or a
+    CuPy view of a JAX array."""
+    if isinstance(a, np.ndarray):
+        return not a.flags.writeable
+    r = _READONLY.get(id(a))
+    return r is not None and r() is a
+
+
+_STREAMS: dict = {}  # (ptr, device) -> CuPy stream wrapping it
+
+
+class _StreamHandle:
+    """A raw stream pointer speaking the CUDA stream protocol."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def cupy_stream(ptr: int, device_id: int):
+    """A (cached) CuPy stream object for a raw ``cudaStream_t``, usable as a context
+    manager so CuPy's own operations run on it."""
+    key = (ptr, device_id)
+    s = _STREAMS.get(key)
+    if s is None:
+        if len(_STREAMS) > 64:
+            _STREAMS.clear()
+        cp = _cupy()
+        if ptr == 0:
+            s = cp.cuda.Stream.null
+        elif hasattr(cp.cuda.Stream, "from_external"):  # CuPy >= 14
+            s = cp.cuda.Stream.from_external(_StreamHandle(ptr))
+        else:
+            s = cp.cuda.ExternalStream(ptr, device_id)
+        _STREAMS[key] = s
+    return s
+
+
+def _torch_cuda_import(obj):
+    """A CuPy view of a PyTorch CUDA tensor, consumed on PyTorch's current stream."""
+    torch = sys.modules["torch"]
+    dev = obj.device.index if obj.device.index is not None else torch.cuda.current_device()
+    ptr = int(torch.cuda.current_stream(dev).cuda_stream)
+    cp = _cupy()
+    with cp.cuda.Device(dev), cupy_stream(ptr, dev):
+        return cp.from_dlpack(obj)
+
+
+def _jax_device_id(obj):
+    devs = list(obj.devices()) if hasattr(obj, "devices") else []
+    if len(devs) != 1 or getattr(devs[0], "platform", "") not in ("gpu", "cuda", "rocm"):
+        return None
+    hw = getattr(devs[0], "local_hardware_id", None)  # the CUDA ordinal where JAX reports it
+    return int(hw if hw is not None else devs[0].id)
+
+
+def _jax_buffer_view(obj, dtype):
+    """A CuPy view of a single-device JAX GPU array's buffer (zero copy), as ``dtype``
+    (the array's own dtype, or uint8 for a flat byte view). None if not possible."""
+    dev = _jax_device_id(obj)
+    if dev is None:
+        return None
+    try:
+        ptr = int(obj.unsafe_buffer_pointer())
+    except Exception:  # noqa: BLE001  (sharded, deleted or donated arrays)
+        return None
+    obj.block_until_ready()  # producers queue work asynchronously; once, at import
+    cp = _cupy()
+    nbytes = int(obj.nbytes)
+    mem = cp.cuda.UnownedMemory(ptr, nbytes, obj, device_id=dev)
+    shape = (nbytes,) if dtype == np.uint8 else tuple(int(x) for x in obj.shape)
+    return cp.ndarray(shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
 def _from_foreign(obj, name: str):
     if hasattr(obj, "__dlpack_device__") and hasattr(obj, "__dlpack__"):
         try:
@@ -85,6 +192,10 @@ def _from_foreign(obj, name: str):
             if dev_type == _DL_CPU:
                 return np.from_dlpack(obj)
             if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED, _DL_CUDA_HOST):
+                if _producer(obj) == "torch" and dev_type == _DL_CUDA:
+                    return _torch_cuda_import(obj)
+                if _is_jax(obj):
+                    return _mark_readonly(_jax_import(obj))
                 return _cupy().from_dlpack(obj)
         except (BufferError, TypeError, RuntimeError, ValueError) as e:
             raise TypeError(
@@ -103,6 +214,22 @@ def _from_foreign(obj, name: str):
         f"kvcanary: {name}: expected an array with __dlpack__ or __cuda_array_interface__ "
         f"(PyTorch, JAX, CuPy, NumPy), got {type(obj).__name__}"
     )
+
+
+def _jax_import(obj):
+    """DLPack first; JAX builds that refuse to export to CuPy fall back to the
+    buffer pointer (same memory, same dtype)."""
+    try:
+        return _cupy().from_dlpack(obj)
+    except (BufferError, TypeError, RuntimeError, ValueError):
+        try:
+            dtype = np.dtype(obj.dtype)
+        except TypeError:
+            dtype = None
+        view = _jax_buffer_view(obj, dtype) if dtype is not None and dtype.kind in "biuf" else None
+        if view is None:
+            raise
+        return view
 
 
 def as_view(obj, name: str):
@@ -145,14 +272,23 @@ def check_array(
         )
     if min_len is not None and a.shape[0] < min_len:
         raise ValueError(f"kvcanary: {name}: expected length >= {min_len}, got {a.shape[0]}")
-    if writable and isinstance(a, np.ndarray) and not a.flags.writeable:
-        raise ValueError(f"kvcanary: {name}: expected a writable array, got a read-only one")
+    if writable and is_readonly(a):
+        raise ValueError(f"kvcanary: {name}: expected a writable array, got a read-only one "
+                         "(JAX arrays are immutable: pass a CuPy or PyTorch buffer the library may write)")
     return a
 
 
 def as_array(obj, name: str, **checks):
     """Import ``obj`` zero copy and check it (see :func:`check_array`)."""
-    return check_array(as_view(obj, name), name, **checks)
+    try:
+        view = as_view(obj, name)
+    except TypeError as e:
+        dtypes = checks.get("dtypes")
+        if dtypes is not None and hasattr(obj, "dtype") and str(obj.dtype).split(".")[-1] not in {
+                str(d) for d in dtypes}:
+            raise TypeError(f"kvcanary: {name}: expected dtype {_dtype_words(dtypes)}, got {obj.dtype}") from e
+        raise
+    return check_array(view, name, **checks)
 
 
 def as_index_array(obj, name: str, *, ndim: int = 1, device: str | None = None, min_len: int | None = None):
@@ -170,12 +306,12 @@ def as_byte_view(obj, name: str):
     """A flat uint8 view of a contiguous array of any dtype (bf16, fp8 included).
 
     Dtypes NumPy / CuPy cannot express are viewed as bytes through the producer's
-    own ``view`` (PyTorch) before import.
+    own ``view`` (PyTorch) or buffer pointer (JAX) before import; still zero copy.
     """
     try:
         a = as_view(obj, name)
     except TypeError:
-        viewed = _producer_byte_view(obj)
+        viewed = _producer_byte_view(obj, name)
         if viewed is None:
             raise
         a = as_view(viewed, name)
@@ -183,11 +319,23 @@ def as_byte_view(obj, name: str):
     return a.reshape(-1).view(np.uint8) if a.dtype != np.uint8 or a.ndim != 1 else a
 
 
-def _producer_byte_view(obj):
-    mod = type(obj).__module__.split(".")[0]
+def _producer_byte_view(obj, name: str = "tensor"):
+    mod = _producer(obj)
     if mod == "torch" and hasattr(obj, "view"):
         torch = sys.modules["torch"]
-        return obj.contiguous().view(torch.uint8) if obj.is_contiguous() else None
+        if not obj.is_contiguous():
+            raise ValueError(f"kvcanary: {name}: expected a contiguous tensor (strides {tuple(obj.stride())} for "
+                             f"shape {tuple(obj.shape)}); pass a packed pool")
+        return obj.view(torch.uint8)
+    if mod in ("jax", "jaxlib"):
+        # No DLPack consumer here takes bf16 / fp8; the device buffer is dense
+        # row-major, so a byte view of it is the same memory.
+        view = _jax_buffer_view(obj, np.uint8)
+        if view is None:
+            raise TypeError(
+                f"kvcanary: {name}: a JAX array of dtype {obj.dtype} can be viewed as bytes only when it lives on "
+                "one GPU (not sharded, not deleted); pass jax.lax.bitcast_convert_type(x, jnp.uint8) instead")
+        return _mark_readonly(view)
     return None
 
 
@@ -211,8 +359,10 @@ def resolve_stream(stream, inputs: Iterable[Any] = ()):
     PyTorch's current stream when any input is a PyTorch tensor, else CuPy's.
     """
     if stream is None:
-        if "torch" in sys.modules and any(_is_torch(x) for x in inputs):
-            return int(sys.modules["torch"].cuda.current_stream().cuda_stream)
+        if "torch" in sys.modules:
+            for x in inputs:
+                if _is_torch(x) and getattr(x, "is_cuda", False):
+                    return int(sys.modules["torch"].cuda.current_stream(x.device).cuda_stream)
         return int(_cupy().cuda.get_current_stream().ptr)
     if isinstance(stream, int):
         return stream

@@ -1,0 +1,337 @@
+// kvcanary_common.cuh: the canary record format (v1) for the CUDA kernels.
+//
+// The CUDA twin of kvcanary_cupy/format.py. Every constant is written as
+//     inline constexpr <type> NAME = <value>;
+// with NAME as in format.py (FailReason bits as FAIL_<NAME>, RealKvMode as
+// REAL_KV_<NAME>), so a test can parse this file and keep both sides equal.
+//
+// No standard header is included: NVRTC compiles this without the CUDA
+// toolkit's include directory (CuPy 14 cannot open <cstdint> there).
+#pragma once
+
+namespace kvc {
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// --- record layout ----------------------------------------------------------
+inline constexpr i64 RECORD_WORDS = 4;  // int64 words per record
+inline constexpr i64 RECORD_BYTES = 32;
+inline constexpr i64 FIELD_TOKEN = 0;
+inline constexpr i64 FIELD_POSITION = 1;
+inline constexpr i64 FIELD_LINK = 2;
+inline constexpr i64 FIELD_FINGERPRINT = 3;
+inline constexpr i64 RESERVED_SLOT = 0;  // padding tokens park here; never verified
+inline constexpr i64 PADDING_REQ = 0;    // request-table row 0: a padding batch row
+
+// --- hash constants ---------------------------------------------------------
+inline constexpr u64 SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9ULL;
+inline constexpr u64 SPLITMIX_MUL2 = 0x94D049BB133111EBULL;
+inline constexpr u64 ANCHOR = 0xC0FFEE1234567890ULL;
+inline constexpr u64 ANCHOR_HASH = 0xDE7FAE23A9A1B716ULL;  // splitmix64(ANCHOR)
+inline constexpr i64 KV_CHUNK_BYTES = 16;                  // the real-KV fold eats 16-byte chunks
+
+// --- fail reasons (FailReason) ---------------------------------------------
+inline constexpr i64 FAIL_CHAIN = 1;
+inline constexpr i64 FAIL_POSITION = 2;
+inline constexpr i64 FAIL_REAL_KV = 4;
+inline constexpr i64 FAIL_WRITE_TOKEN = 8;
+inline constexpr i64 FAIL_WRITE_POSITION = 16;
+inline constexpr i64 FAIL_TOKEN = 32;
+inline constexpr i64 FAIL_SLOT_OUT_OF_RANGE = 64;
+inline constexpr i64 FAIL_INPUT_OUT_OF_RANGE = 128;
+
+// --- real-KV modes (RealKvMode) --------------------------------------------
+inline constexpr i64 REAL_KV_NONE = 0;
+inline constexpr i64 REAL_KV_PARTIAL = 1;
+inline constexpr i64 REAL_KV_ALL = 2;
+
+// --- violation ring layout --------------------------------------------------
+inline constexpr i64 VIOLATION_WORDS = 10;
+inline constexpr i64 COL_TAG = 0;
+inline constexpr i64 COL_SLOT = 1;
+inline constexpr i64 COL_POSITION = 2;
+inline constexpr i64 COL_STORED_TOKEN = 3;
+inline constexpr i64 COL_EXPECTED_TOKEN = 4;
+inline constexpr i64 COL_STORED_LINK = 5;
+inline constexpr i64 COL_EXPECTED_LINK = 6;
+inline constexpr i64 COL_FAIL_BITS = 7;
+inline constexpr i64 COL_BATCH_ROW = 8;
+inline constexpr i64 COL_EXPECTED_POSITION = 9;
+
+// --- log counters -----------------------------------------------------------
+inline constexpr i64 NUM_COUNTERS = 3;
+inline constexpr i64 CTR_KERNEL_RUNS = 0;
+inline constexpr i64 CTR_SLOTS_CHECKED = 1;
+inline constexpr i64 CTR_SLOTS_WRITTEN = 2;
+
+// --- real-KV fold descriptors (built by the host, one row per source layer) --
+// Row k of the descriptor array: [layer base address, bytes_per_token,
+// 16-byte chunks hashed (eff / 16), unused]. Slot s of the layer starts at
+// base + s * bytes_per_token (the source's page geometry reduces to that).
+inline constexpr i64 FOLD_DESC_WORDS = 4;
+
+inline constexpr unsigned FULL_MASK = 0xFFFFFFFFu;
+
+// --- hashes -----------------------------------------------------------------
+__device__ __forceinline__ u64 splitmix64(u64 x) {
+    x ^= x >> 30;
+    x *= SPLITMIX_MUL1;
+    x ^= x >> 27;
+    x *= SPLITMIX_MUL2;
+    return x ^ (x >> 31);
+}
+
+// mix3(a, b, c) = splitmix64(splitmix64(splitmix64(a) ^ b) ^ c); b, c are int64
+// token and position taken as uint64 bit patterns.
+__device__ __forceinline__ u64 mix3(u64 a, i64 b, i64 c) {
+    return splitmix64(splitmix64(splitmix64(a) ^ (u64)b) ^ (u64)c);
+}
+
+// --- index inputs -----------------------------------------------------------
+// Index inputs arrive as int32 or int64, each on its own. The width travels as
+// one bit of a kernel argument; the select is warp-uniform, so it costs one
+// predicated load and no divergence.
+__device__ __forceinline__ i64 load_index(const void* p, bool wide, i64 i) {
+    return wide ? ((const i64*)p)[i] : (i64)((const int*)p)[i];
+}
+
+__device__ __forceinline__ bool width_bit(i64 widths, int k) { return (widths >> k) & 1; }
+
+// --- records ------------------------------------------------------------------
+struct Record {
+    i64 token, position;
+    u64 link, fingerprint;
+};
+
+// One record as two 16-byte loads (records are 32-byte aligned).
+__device__ __forceinline__ Record load_record(const i64* records, i64 slot) {
+    const longlong2* p = (const longlong2*)(records + slot * RECORD_WORDS);
+    longlong2 a = p[0];
+    longlong2 b = p[1];
+    Record r;
+    r.token = a.x;
+    r.position = a.y;
+    r.link = (u64)b.x;
+    r.fingerprint = (u64)b.y;
+    return r;
+}
+
+__device__ __forceinline__ u64 next_link(const Record& r) { return mix3(r.link, r.token, r.position); }
+
+// --- warp helpers -----------------------------------------------------------
+__device__ __forceinline__ unsigned lane_id() { return threadIdx.x & 31u; }
+
+__device__ __forceinline__ unsigned lanes_below(unsigned lane) { return (1u << lane) - 1u; }
+
+__device__ __forceinline__ unsigned lanes_above(unsigned lane) {
+    return lane == 31u ? 0u : (FULL_MASK << (lane + 1u));
+}
+
+// Sum of v over the warp, valid in every lane.
+__device__ __forceinline__ i64 warp_sum(i64 v) {
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(FULL_MASK, v, d);
+    return v;
+}
+
+// Sum of v over the block, valid in thread 0 only. Every thread of the block
+// must call it; `scratch` holds one i64 per warp.
+__device__ __forceinline__ i64 block_sum(i64 v, i64* scratch) {
+    v = warp_sum(v);
+    unsigned w = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane_id() == 0) scratch[w] = v;
+    __syncthreads();
+    i64 total = 0;
+    if (threadIdx.x == 0)
+        for (unsigned i = 0; i < (blockDim.x + 31u) >> 5; ++i) total += scratch[i];
+    return total;
+}
+
+// Last index i in [0, n) with a[i] <= x, or -1 (numpy searchsorted 'right' - 1
+// on a non-decreasing array). Used for batch rows, only where needed.
+__device__ __forceinline__ i64 row_of(const i64* a, i64 n, i64 x) {
+    i64 lo = 0, hi = n;  // first index with a[i] > x lies in [lo, hi]
+    while (lo < hi) {
+        i64 mid = (lo + hi) >> 1;
+        if (a[mid] <= x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo - 1;
+}
+
+// --- violation sink -----------------------------------------------------------
+// Appends one row per lane with `has` set: one atomic per warp reserves the
+// rows, lanes take them in lane order. idx = head++ keeps counting past the
+// ring; a row is stored only if idx < capacity, so the ring fills once and
+// earlier rows are never overwritten. Every lane of the warp must call it.
+__device__ __forceinline__ void append_violation(i64* ring, i64* head, i64 capacity, bool has, i64 tag,
+                                                 i64 slot, i64 position, i64 stored_token,
+                                                 i64 expected_token, u64 stored_link, u64 expected_link,
+                                                 i64 bits, i64 batch_row, i64 expected_position) {
+    unsigned m = __ballot_sync(FULL_MASK, has);
+    if (m == 0u) return;
+    unsigned lane = lane_id();
+    int leader = __ffs(m) - 1;
+    i64 base = 0;
+    if ((int)lane == leader) base = (i64)atomicAdd((u64*)head, (u64)__popc(m));
+    base = __shfl_sync(FULL_MASK, base, leader);
+    if (!has) return;
+    i64 idx = base + __popc(m & lanes_below(lane));
+    if (idx < 0 || idx >= capacity) return;
+    longlong2* row = (longlong2*)(ring + idx * VIOLATION_WORDS);
+    row[0] = make_longlong2(tag, slot);
+    row[1] = make_longlong2(position, stored_token);
+    row[2] = make_longlong2(expected_token, (i64)stored_link);
+    row[3] = make_longlong2((i64)expected_link, bits);
+    row[4] = make_longlong2(batch_row, expected_position);
+}
+
+// --- real-KV fingerprint ------------------------------------------------------
+// KVC_FP_TILED selects how a warp with one slot per lane loads KV bytes: 0
+// (default) lets each lane read its own slot, 16 bytes per load, eight loads in
+// flight; 1 stages the bytes through a shared-memory tile so that every load
+// instruction reads whole 128-byte lines. Both compute the same fingerprints.
+// Measured on an H200, verify over 1M entries, 256 B/token, one source: lane
+// reads 146 us (random slots) / 107 us (sequential slots), tile 162 / 144 us;
+// each lane consumes whole 32-byte sectors over consecutive loads, so the
+// uncoalesced pattern costs no DRAM bandwidth and the tile only adds
+// instructions and shared-memory pressure. Kept as an option for other GPUs.
+#ifndef KVC_FP_TILED
+#define KVC_FP_TILED 0
+#endif
+// Chunks a lane reads ahead in fold_layer; blocks per SM the fingerprinting
+// kernels are compiled for (their register budget).
+#define KVC_FOLD_AHEAD (KVC_FP_TILED ? 4 : 8)
+#define KVC_FP_MIN_BLOCKS (KVC_FP_TILED ? 3 : 4)
+
+// Fold of one source layer at one slot: acc = splitmix64(acc ^ w) over the
+// little-endian words of `chunks` 16-byte chunks, read directly by this lane,
+// KVC_FOLD_AHEAD chunks in flight at a time.
+__device__ __forceinline__ u64 fold_layer(const i64* desc, i64 slot) {
+    const ulonglong2* p = (const ulonglong2*)(desc[0] + slot * desc[1]);
+    i64 chunks = desc[2];
+    u64 acc = 0;
+    i64 c = 0;
+    for (; c + KVC_FOLD_AHEAD <= chunks; c += KVC_FOLD_AHEAD) {
+        ulonglong2 w[KVC_FOLD_AHEAD];
+#pragma unroll
+        for (int j = 0; j < KVC_FOLD_AHEAD; ++j) w[j] = __ldg(p + c + j);
+#pragma unroll
+        for (int j = 0; j < KVC_FOLD_AHEAD; ++j) {
+            acc = splitmix64(acc ^ w[j].x);
+            acc = splitmix64(acc ^ w[j].y);
+        }
+    }
+    for (; c < chunks; ++c) {
+        ulonglong2 w = __ldg(p + c);
+        acc = splitmix64(acc ^ w.x);
+        acc = splitmix64(acc ^ w.y);
+    }
+    return acc;
+}
+
+// Lanes per fingerprint: 1 when there are enough slots to fill the grid, more
+// (a power of two <= 32, <= the folds) when slots are few and folds many, so a
+// decode step with dozens of layers still spreads over the GPU. Uniform over
+// the grid: derived from the same n, folds and grid size in every thread.
+__device__ __forceinline__ int lanes_per_fingerprint(i64 n, i64 folds) {
+    i64 threads = (i64)gridDim.x * (i64)blockDim.x;
+    int g = 1;
+    while (g < 32 && g < folds && n * g < threads) g <<= 1;
+    return g;
+}
+
+// Chunks of a fold staged per pass through shared memory (128 bytes).
+inline constexpr int TILE_CHUNKS = 8;
+inline constexpr int TILE_STRIDE = TILE_CHUNKS + 1;  // padding: conflict-free 16-byte reads
+inline constexpr int MAX_WARPS = 8;                   // kernels that fingerprint run <= 256 threads
+inline constexpr int SLOTS_PER_LOAD = 32 / TILE_CHUNKS;    // slots one warp-wide load instruction covers
+inline constexpr int LOADS_PER_TILE = 32 / SLOTS_PER_LOAD;  // instructions to fill a tile of 32 slots
+
+// (KVC_FP_TILED) The fingerprint of each lane's own slot (one slot per lane),
+// with coalesced loads: the chunks go through a shared-memory tile, eight lanes
+// reading 128 contiguous bytes of one slot, four slots per instruction; then
+// every lane folds its own slot's chunks from the tile (the fold is sequential
+// per slot, so parallelism stays across slots). Chunks past the last whole tile
+// are read directly. Every lane of the warp must call it.
+__device__ __forceinline__ u64 fingerprint_warp(const i64* descs, i64 folds, i64 slot, bool need) {
+    __shared__ ulonglong2 tiles[MAX_WARPS * 32 * TILE_STRIDE];
+    ulonglong2* tile = tiles + (threadIdx.x >> 5) * (32 * TILE_STRIDE);
+    const unsigned lane = lane_id();
+    const unsigned need_mask = __ballot_sync(FULL_MASK, need);
+    if (need_mask == 0u) return 0;
+    const int j = (int)(lane % TILE_CHUNKS);
+    u64 r = 0;
+    for (i64 k = 0; k < folds; ++k) {
+        const i64* d = descs + k * FOLD_DESC_WORDS;
+        const i64 base = d[0], bpt = d[1], chunks = d[2];
+        u64 acc = 0;
+        i64 c0 = 0;
+        for (; c0 + TILE_CHUNKS <= chunks; c0 += TILE_CHUNKS) {
+#pragma unroll
+            for (int q = 0; q < LOADS_PER_TILE; ++q) {
+                const int s = q * SLOTS_PER_LOAD + (int)(lane / TILE_CHUNKS);
+                const i64 src = __shfl_sync(FULL_MASK, slot, s);  // the slot whose chunk j this lane loads
+                if ((need_mask >> s) & 1u)
+                    tile[s * TILE_STRIDE + j] = __ldg((const ulonglong2*)(base + src * bpt) + c0 + j);
+            }
+            __syncwarp();
+            if (need) {
+#pragma unroll 2
+                for (int c = 0; c < TILE_CHUNKS; ++c) {
+                    const ulonglong2 w = tile[lane * TILE_STRIDE + c];
+                    acc = splitmix64(acc ^ w.x);
+                    acc = splitmix64(acc ^ w.y);
+                }
+            }
+            __syncwarp();
+        }
+        if (need) {
+            const ulonglong2* p = (const ulonglong2*)(base + slot * bpt);
+            for (; c0 < chunks; ++c0) {
+                const ulonglong2 w = __ldg(p + c0);
+                acc = splitmix64(acc ^ w.x);
+                acc = splitmix64(acc ^ w.y);
+            }
+            r = splitmix64(r ^ acc);
+        }
+    }
+    return need ? r : 0;
+}
+
+// The fingerprint of `slot` over `folds` source layers, combined in layer
+// order: R = splitmix64(R ^ fold). With g == 1 every lane has its own slot and
+// folds it layer after layer (parallelism across slots). With g > 1 the g lanes of an aligned group share one
+// slot: lane j of the group folds layers j, j+g, ... and the group combines
+// them in order through shuffles. Every lane of the warp must call it with the
+// same g and folds; lanes with `need` false do no loads. Returns R in every
+// lane of a group that needed it.
+__device__ __forceinline__ u64 fingerprint(const i64* descs, i64 folds, i64 slot, bool need, int g) {
+    u64 r = 0;
+    if (g == 1) {
+#if KVC_FP_TILED
+        return fingerprint_warp(descs, folds, slot, need);
+#else
+        if (need)
+            for (i64 k = 0; k < folds; ++k) r = splitmix64(r ^ fold_layer(descs + k * FOLD_DESC_WORDS, slot));
+        return r;
+#endif
+    }
+    unsigned lane = lane_id();
+    unsigned group_base = lane & ~(unsigned)(g - 1);
+    unsigned j = lane - group_base;
+    for (i64 k0 = 0; k0 < folds; k0 += g) {
+        i64 k = k0 + j;
+        u64 f = 0;
+        if (need && k < folds) f = fold_layer(descs + k * FOLD_DESC_WORDS, slot);
+        i64 m = folds - k0 < g ? folds - k0 : g;
+        for (i64 t = 0; t < m; ++t) {
+            u64 v = __shfl_sync(FULL_MASK, f, (int)(group_base + (unsigned)t));
+            r = splitmix64(r ^ v);
+        }
+    }
+    return need ? r : 0;
+}
+
+}  // namespace kvc

@@ -1,0 +1,153 @@
+// verify.cu: check every planned record against its predecessor, position,
+// token and (optionally) the fingerprint of the live K/V bytes.
+//
+// verify_entries<kFp>: grid-stride over entries in whole warps. kFp = false
+// when no real-KV source is given (the expected fingerprint is then 0), which
+// keeps the common kernel small. Fingerprints are computed by g lanes per
+// entry (see lanes_per_fingerprint); the other checks by the group's first
+// lane. Counters go through a block reduction (one atomic per block);
+// violations through the warp-aggregated ring append. The batch row of an
+// entry is searched in the offsets only when the entry fails.
+//
+// Sampling (state non-null): every block reads the phase state[0] % period at
+// its start; the last block to finish (ticket state[1]) advances state[0] and
+// resets the ticket, so the same kernel node works in a replayed CUDA graph.
+#include "kvcanary_common.cuh"
+
+namespace kvc {
+
+struct VerifyArgs {
+    const i64* records;  // [num_slots, 4]
+    i64 num_slots;
+    const i64* slot_indices;  // verify plan arrays [capacity]
+    const i64* prev_slot_indices;
+    const i64* expected_positions;
+    const i64* expected_tokens;
+    const i64* offsets;  // [offsets_len]
+    i64 offsets_len;
+    const i64* num_valid;
+    const i64* enable;
+    i64 capacity;
+    i64* ring;  // [ring_capacity, 10]
+    i64* head;
+    i64 ring_capacity;
+    i64* counters;  // [3]
+    i64 tag;
+    i64 check_tokens;
+    const i64* folds;  // [num_folds, FOLD_DESC_WORDS], or null
+    i64 num_folds;
+    i64* sample_state;  // [2] (phase counter, ticket), or null
+    i64 period;
+};
+
+__device__ __forceinline__ i64 pmod(i64 x, i64 m) {
+    i64 r = x % m;
+    return r < 0 ? r + m : r;
+}
+
+template <bool kFp>
+__global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entries(VerifyArgs a) {
+    __shared__ i64 sh[32];
+    __shared__ i64 s_phase;
+    if (threadIdx.x == 0) s_phase = a.sample_state != nullptr ? pmod(__ldcg(a.sample_state), a.period) : -1;
+    __syncthreads();
+    const i64 phase = s_phase;
+
+    i64 n = *a.enable == 1 ? *a.num_valid : 0;
+    if (n > a.capacity) n = a.capacity;
+    if (n < 0) n = 0;
+    const int g = kFp ? lanes_per_fingerprint(n, a.num_folds) : 1;
+    const int shift = __ffs(g) - 1;
+    const i64 total = n << shift;
+    const unsigned lane = lane_id();
+    const i64 warp0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    const i64 N = a.num_slots;
+
+    i64 checked = 0;
+    for (i64 base = warp0 << 5; base < total; base += warps << 5) {
+        const i64 q = base + lane;
+        const bool act = q < total;
+        const i64 e = q >> shift;
+        const bool lead = (q & (g - 1)) == 0;
+        i64 slot = 0, prev = -1;
+        if (act) {
+            slot = a.slot_indices[e];
+            prev = a.prev_slot_indices[e];
+        }
+        const bool live = act && slot != RESERVED_SLOT;
+        const bool oor = live && (slot < 0 || slot >= N || prev < -1 || prev >= N);
+        const bool chk = live && !oor;
+        const bool fp_sel = chk && (phase < 0 || pmod(slot, a.period) == phase);
+        // Issue the record loads before the fingerprint's, so their latencies overlap.
+        Record r = {}, pr = {};
+        i64 etok = -1, epos = -1;
+        if (lead && live) {
+            etok = a.expected_tokens[e];
+            epos = a.expected_positions[e];
+        }
+        if (lead && chk) {
+            r = load_record(a.records, slot);
+            if (prev > 0) pr = load_record(a.records, prev);
+        }
+        u64 fp = 0;
+        if (kFp) fp = fingerprint(a.folds, a.num_folds, slot, fp_sel, g);
+
+        bool has = false;
+        i64 bits = 0, pos = -1, tok = -1;
+        u64 link = 0, elink = 0;
+        if (lead && live) {
+            ++checked;
+            if (oor) {
+                bits = FAIL_SLOT_OUT_OF_RANGE;
+            } else {
+                elink = prev == -1 ? ANCHOR_HASH : (prev == 0 ? r.link : next_link(pr));
+                if (r.link != elink) bits |= FAIL_CHAIN;
+                if (r.position != epos) bits |= FAIL_POSITION;
+                if (a.check_tokens != 0 && etok != -1 && r.token != etok) bits |= FAIL_TOKEN;
+                if (fp_sel && r.fingerprint != fp) bits |= FAIL_REAL_KV;
+                pos = r.position;
+                tok = r.token;
+                link = r.link;
+            }
+            has = bits != 0;
+        }
+        const i64 row = has ? row_of(a.offsets, a.offsets_len, e) : -1;
+        append_violation(a.ring, a.head, a.ring_capacity, has, a.tag, slot, pos, tok, etok, link, elink, bits, row,
+                         epos);
+    }
+
+    i64 sum = block_sum(checked, sh);
+    if (threadIdx.x == 0) {
+        if (sum != 0) atomicAdd((u64*)(a.counters + CTR_SLOTS_CHECKED), (u64)sum);
+        if (blockIdx.x == 0) atomicAdd((u64*)(a.counters + CTR_KERNEL_RUNS), 1ULL);
+        if (a.sample_state != nullptr) {
+            __threadfence();
+            if (atomicAdd((u64*)(a.sample_state + 1), 1ULL) == (u64)(gridDim.x - 1)) {
+                a.sample_state[0] = __ldcg(a.sample_state) + 1;
+                a.sample_state[1] = 0;
+                __threadfence();
+            }
+        }
+    }
+}
+
+// Fingerprints of n slots (a helper for tests and tools, not an op).
+__global__ void __launch_bounds__(256, KVC_FP_MIN_BLOCKS)
+    fingerprint_slots(const i64* folds, i64 num_folds, const i64* slots, i64 n, u64* out) {
+    const int g = lanes_per_fingerprint(n, num_folds);
+    const int shift = __ffs(g) - 1;
+    const i64 total = n << shift;
+    const i64 warp0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 base = warp0 << 5; base < total; base += warps << 5) {
+        const i64 q = base + lane_id();
+        const bool act = q < total;
+        const i64 e = q >> shift;
+        const i64 slot = act ? slots[e] : 0;
+        u64 f = fingerprint(folds, num_folds, slot, act, g);
+        if (act && (q & (g - 1)) == 0) out[e] = f;
+    }
+}
+
+}  // namespace kvc

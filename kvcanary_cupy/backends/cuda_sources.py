@@ -1,0 +1,74 @@
+"""The CUDA sources of the kernels and how each module is compiled.
+
+Imports no CuPy: the NVRTC compile check (``tests/test_kernels_compile.py``)
+uses this table on machines without a GPU.
+
+The sources live in ``kernels_cu/`` at the top of a checkout; a wheel places
+them at ``kvcanary_cupy/kernels_cu/``. :func:`source` returns a module's text
+with the common header inlined, so the compiled text (and CuPy's on-disk
+kernel cache key) covers the header too and no ``-I`` path is needed.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+HEADER = "kvcanary_common.cuh"
+_INCLUDE = f'#include "{HEADER}"'
+ENV_DIR = "KVCANARY_KERNELS_DIR"  # optional override: a folder holding the .cu files
+
+
+@dataclass(frozen=True)
+class KernelModule:
+    """One kernel family: its source file, NVRTC options and kernel names.
+
+    Attributes:
+        file: the ``.cu`` file in ``kernels_cu/``.
+        options: NVRTC options (CuPy adds the architecture itself).
+        name_expressions: every kernel (template instance) the backend launches.
+    """
+
+    file: str
+    options: tuple[str, ...]
+    name_expressions: tuple[str, ...]
+
+
+OPTIONS = ("-std=c++17",)
+
+MODULES: dict[str, KernelModule] = {
+    "plan": KernelModule("plan.cu", OPTIONS, ("kvc::plan_rows", "kvc::plan_fill")),
+    "write": KernelModule("write.cu", OPTIONS, ("kvc::write_tokens<false>", "kvc::write_tokens<true>")),
+    "verify": KernelModule("verify.cu", OPTIONS,
+                           ("kvc::verify_entries<false>", "kvc::verify_entries<true>", "kvc::fingerprint_slots")),
+    "scatter": KernelModule("scatter.cu", OPTIONS, ("kvc::scatter_expected_tokens",)),
+}
+
+
+def kernels_dir() -> Path:
+    """The folder holding the ``.cu`` files: ``$KVCANARY_KERNELS_DIR``, the
+    wheel's ``kvcanary_cupy/kernels_cu`` or the checkout's ``kernels_cu``."""
+    env = os.environ.get(ENV_DIR)
+    here = Path(__file__).resolve().parent  # kvcanary_cupy/backends
+    candidates = ([Path(env)] if env else []) + [here.parent / "kernels_cu", here.parent.parent / "kernels_cu"]
+    for c in candidates:
+        if (c / HEADER).is_file():
+            return c
+    raise FileNotFoundError(
+        "kvcanary: the CUDA kernel sources (kernels_cu/) were not found; looked in "
+        + ", ".join(str(c) for c in candidates))
+
+
+@functools.lru_cache(maxsize=None)
+def source(family: str) -> str:
+    """The full text of a kernel family's module, common header inlined."""
+    if family not in MODULES:
+        raise KeyError(f"kvcanary: no kernel family {family!r}; known: {sorted(MODULES)}")
+    d = kernels_dir()
+    text = (d / MODULES[family].file).read_text()
+    header = (d / HEADER).read_text()
+    if _INCLUDE not in text:
+        raise ValueError(f"kvcanary: {MODULES[family].file} does not include {HEADER}")
+    header = header.replace("#pragma once\n", "", 1)  # meaningless once inlined
+    return text.replace(_INCLUDE, header, 1)

@@ -1,0 +1,132 @@
+"""The CUDA kernels compile, without a GPU, with every name expression the backend uses.
+
+NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel through ``cuda-bindings``
+(``pip install "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14"``); no driver
+is needed. Each module is compiled to a cubin for sm_80 and sm_90 with the same
+text and options CuPy gets (common header inlined, no include path), so a
+source that needs a CUDA toolkit header fails here as it would under CuPy.
+
+Also checked without NVRTC: the header's constants equal format.py's, and the
+kernels' argument structs have the fields, in order, that the backend packs.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvcanary_cupy import format as fmt
+from kvcanary_cupy.backends import cuda as cuda_backend
+from kvcanary_cupy.backends import cuda_sources
+
+ARCHS = ("sm_80", "sm_90")
+CASES = [(fam, arch) for fam in cuda_sources.MODULES for arch in ARCHS]
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc  # noqa: PLC0415
+    except ImportError:
+        pytest.skip('cuda.bindings is not importable: pip install "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14"')
+    try:
+        nvrtc.nvrtcVersion()
+    except Exception as e:  # noqa: BLE001  (bindings present, libnvrtc missing)
+        pytest.skip(f"cuda.bindings cannot load NVRTC ({e}): pip install nvidia-cuda-nvrtc")
+    return nvrtc
+
+
+def _ok(nvrtc, result, what):
+    err = result[0] if isinstance(result, tuple) else result
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{what}: {err}"
+    return result[1:] if isinstance(result, tuple) else ()
+
+
+@pytest.mark.parametrize("family,arch", CASES)
+def test_module_compiles(family, arch):
+    nvrtc = _nvrtc()
+    spec = cuda_sources.MODULES[family]
+    src = cuda_sources.source(family)
+    assert "#include" not in src, "the compiled text must not need any header"
+    (prog,) = _ok(nvrtc, nvrtc.nvrtcCreateProgram(src.encode(), spec.file.encode(), 0, [], []), "create")
+    try:
+        for ne in spec.name_expressions:
+            _ok(nvrtc, nvrtc.nvrtcAddNameExpression(prog, ne.encode()), f"add {ne}")
+        opts = [o.encode() for o in spec.options] + [f"-arch={arch}".encode()]
+        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        (size,) = _ok(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        text = log.decode(errors="replace").strip(" \x00\n")
+        assert res == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{spec.file} for {arch}:\n{text}"
+        assert "warning" not in text, f"{spec.file} for {arch} compiles with warnings:\n{text}"
+        for ne in spec.name_expressions:
+            (lowered,) = _ok(nvrtc, nvrtc.nvrtcGetLoweredName(prog, ne.encode()), f"lowered {ne}")
+            assert lowered, ne
+        (cubin_size,) = _ok(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        assert cubin_size > 0
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def test_backend_uses_only_listed_names():
+    """Every kernel name the backend launches is a name expression of its module."""
+    text = open(cuda_backend.__file__).read()
+    used = set(re.findall(r'"(kvc::[^"]+)"', text))
+    listed = {ne for m in cuda_sources.MODULES.values() for ne in m.name_expressions}
+    assert used == listed, f"launched but not listed: {used - listed}; listed but never launched: {listed - used}"
+
+
+# --- no NVRTC needed ---------------------------------------------------------------
+def _header_constants() -> dict:
+    text = (cuda_sources.kernels_dir() / cuda_sources.HEADER).read_text()
+    out = {}
+    for name, value in re.findall(r"^inline constexpr \w+ (\w+) = (0x[0-9A-Fa-f]+|\d+)(?:ULL)?;", text, re.M):
+        out[name] = int(value, 0)
+    return out
+
+
+def test_header_constants_match_format():
+    h = _header_constants()
+    for name in ("RECORD_WORDS", "RECORD_BYTES", "FIELD_TOKEN", "FIELD_POSITION", "FIELD_LINK", "FIELD_FINGERPRINT",
+                 "RESERVED_SLOT", "PADDING_REQ", "SPLITMIX_MUL1", "SPLITMIX_MUL2", "ANCHOR", "ANCHOR_HASH",
+                 "KV_CHUNK_BYTES", "VIOLATION_WORDS", "NUM_COUNTERS", "CTR_KERNEL_RUNS", "CTR_SLOTS_CHECKED",
+                 "CTR_SLOTS_WRITTEN"):
+        assert h[name] == getattr(fmt, name), name
+    for i, col in enumerate(fmt.VIOLATION_COLUMNS):
+        assert h[f"COL_{col.upper()}"] == i, col
+    for reason in fmt.FailReason:
+        if reason:
+            assert h[f"FAIL_{reason.name}"] == int(reason), reason.name
+    for mode in fmt.RealKvMode:
+        assert h[f"REAL_KV_{mode.name}"] == int(mode), mode.name
+
+
+def _struct_fields(file: str, struct: str) -> tuple:
+    text = (cuda_sources.kernels_dir() / file).read_text()
+    body = re.search(r"struct %s \{(.*?)\n\};" % struct, text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    names = []
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if not decl:
+            continue
+        m = re.match(r"(?:const\s+)?\w+\*?\s+(.*)$", decl, re.S)
+        names += [n.strip().lstrip("*") for n in m.group(1).split(",")]
+    return tuple(names)
+
+
+@pytest.mark.parametrize("file,struct,fields", [
+    ("plan.cu", "PlanArgs", cuda_backend.PLAN_FIELDS),
+    ("write.cu", "WriteArgs", cuda_backend.WRITE_FIELDS),
+    ("verify.cu", "VerifyArgs", cuda_backend.VERIFY_FIELDS),
+    ("scatter.cu", "ScatterArgs", cuda_backend.SCATTER_FIELDS),
+])
+def test_argument_structs_match_backend(file, struct, fields):
+    """The backend packs each struct as 8-byte words in declaration order."""
+    assert _struct_fields(file, struct) == fields
+
+
+def test_kernels_dir_found_from_checkout():
+    d = cuda_sources.kernels_dir()
+    for m in cuda_sources.MODULES.values():
+        assert (d / m.file).is_file()
