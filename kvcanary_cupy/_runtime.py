@@ -25,7 +25,9 @@ def stream_ptr(device: str, stream, inputs=()):
     return arrays.resolve_stream(stream, inputs)
 
 
-_EXTERNAL: dict = {}
+def _cupy_stream(ptr):
+    cp = sys.modules.get("cupy") or __import__("cupy")
+    return arrays.cupy_stream(int(ptr), int(cp.cuda.runtime.getDevice()))
 
 
 def on_stream(device: str, ptr):
@@ -33,14 +35,7 @@ def on_stream(device: str, ptr):
     array operations run in stream order with the ops (and are captured with them)."""
     if is_cpu(device) or ptr is None:
         return contextlib.nullcontext()
-    cp = sys.modules.get("cupy") or __import__("cupy")
-    key = (ptr, int(cp.cuda.runtime.getDevice()))
-    s = _EXTERNAL.get(key)
-    if s is None:
-        if len(_EXTERNAL) > 64:  # streams come and go in long-lived processes
-            _EXTERNAL.clear()
-        s = _EXTERNAL[key] = cp.cuda.ExternalStream(ptr)
-    return s
+    return _cupy_stream(ptr)
 
 
 def is_capturing(device: str, ptr) -> bool:
@@ -68,7 +63,7 @@ def synchronize(device: str, ptr=None) -> None:
     if ptr is None:
         cp.cuda.Device().synchronize()
     else:
-        cp.cuda.ExternalStream(ptr).synchronize()
+        _cupy_stream(ptr).synchronize()
 
 
 def put(dst, src, ptr=None) -> None:
@@ -80,8 +75,7 @@ def put(dst, src, ptr=None) -> None:
         return
     if isinstance(src, np.ndarray):
         src = np.ascontiguousarray(src, dtype=dst.dtype)
-        cp = __import__("cupy")
-        dst.set(src, stream=None if ptr is None else cp.cuda.ExternalStream(ptr))
+        dst.set(src, stream=None if ptr is None else _cupy_stream(ptr))
         return
     with on_stream("cuda", ptr):
         dst[...] = src
@@ -123,7 +117,7 @@ class HostReader:
             self._pinned = [np.frombuffer(cp.cuda.alloc_pinned_memory(max(a.nbytes, 8)), a.dtype, a.size)
                             for a in self.sources]
             self._event = cp.cuda.Event(disable_timing=True)
-        s = cp.cuda.ExternalStream(ptr) if ptr is not None else cp.cuda.get_current_stream()
+        s = _cupy_stream(ptr) if ptr is not None else cp.cuda.get_current_stream()
         for a, p in zip(self.sources, self._pinned):
             a.get(stream=s, out=p, blocking=False)  # CuPy's default would block the host
         self._event.record(s)

@@ -61,7 +61,16 @@ def device_of(a) -> str:
     """The device string of a NumPy / CuPy array: ``"cpu"`` or ``"cuda:N"``."""
     if isinstance(a, np.ndarray):
         return "cpu"
-    return f"cuda:{a.device.id}"
+    return _CUDA_NAMES[a.data.device_id]  # no Device object: this runs per argument per op
+
+
+class _CudaNames(dict):
+    def __missing__(self, idx: int) -> str:
+        self[idx] = name = f"cuda:{idx}"
+        return name
+
+
+_CUDA_NAMES = _CudaNames()
 
 
 def array_module(device: str):
@@ -348,7 +357,7 @@ def to_host(a) -> np.ndarray:
 
 # --- streams -----------------------------------------------------------------
 def _is_torch(obj) -> bool:
-    return type(obj).__module__.split(".")[0] == "torch"
+    return type(obj).__module__.startswith("torch")
 
 
 def resolve_stream(stream, inputs: Iterable[Any] = ()):

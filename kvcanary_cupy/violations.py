@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import arrays
+from ._runtime import HostReader, on_stream
 from .format import (COUNTER_NAMES, NUM_COUNTERS, VIOLATION_COLUMNS, VIOLATION_WORDS, FailReason,
                      LaunchTag)
 
@@ -81,7 +82,7 @@ class ViolationLog:
             raise ValueError(f"kvcanary: ViolationLog: head has length {self.head.shape[0]}, expected 1; "
                              f"counters has length {self.counter_array.shape[0]}, expected {NUM_COUNTERS}")
         self._polled = 0  # rows already handed out by poll()
-        self._staged = None  # CUDA: (event, pinned head, pinned ring) copied at the last poll
+        self._reader = None  # HostReader of (head, ring), made on the first poll
 
     @classmethod
     def allocate(cls, *, capacity: int, device: str = "cpu") -> "ViolationLog":
@@ -130,55 +131,35 @@ class ViolationLog:
         step earlier; this call waits only for that copy (long done in a running
         engine) and queues the next one on ``stream``. On the CPU it reads directly.
         """
-        if isinstance(self.ring, np.ndarray):
-            return self._take(int(self.head[0]), self.ring)
-        found = []
-        if self._staged is not None:
-            event, head_h, ring_h = self._staged
-            event.synchronize()
-            found = self._take(int(head_h[0]), ring_h)
-        self._stage(stream)
-        return found
-
-    def _take(self, head: int, ring) -> list[Violation]:
-        end = min(head, self.capacity)
+        if self._reader is None:
+            self._reader = HostReader(self.device, [self.head, self.ring])
+        staged = self._reader.poll(None if isinstance(self.ring, np.ndarray) else arrays.resolve_stream(stream, ()))
+        if staged is None:
+            return []
+        head, ring = staged
+        end = min(int(head[0]), self.capacity)
         out = [Violation.from_row(r) for r in ring[self._polled:end]]
         self._polled = max(self._polled, end)
         return out
-
-    def _stage(self, stream) -> None:
-        import cupy as cp  # noqa: PLC0415
-
-        if self._staged is None:
-            head_h = cp.cuda.alloc_pinned_memory(8)
-            ring_h = cp.cuda.alloc_pinned_memory(self.ring.nbytes)
-            self._pinned = (np.frombuffer(head_h, np.int64, 1),
-                            np.frombuffer(ring_h, np.int64, self.ring.size).reshape(self.ring.shape))
-            self._event = cp.cuda.Event(disable_timing=True)
-        s = cp.cuda.ExternalStream(arrays.resolve_stream(stream, ()))
-        head_np, ring_np = self._pinned
-        self.head.get(stream=s, out=head_np, blocking=False)  # CuPy's default blocks the host
-        self.ring.get(stream=s, out=ring_np, blocking=False)
-        self._event.record(s)
-        self._staged = (self._event, head_np, ring_np)
 
     def clear(self, stream=None) -> None:
         """Empty the ring (stream-ordered on CUDA). Counters keep counting."""
         if isinstance(self.ring, np.ndarray):
             self.head[0] = 0
         else:
-            import cupy as cp  # noqa: PLC0415
-
-            with cp.cuda.ExternalStream(arrays.resolve_stream(stream, ())):
+            with _on_stream(self.device, stream):
                 self.head.fill(0)
         self._polled = 0
-        self._staged = None
+        if self._reader is not None:
+            self._reader.reset()
 
     def reset_counters(self, stream=None) -> None:
         if isinstance(self.counter_array, np.ndarray):
             self.counter_array[:] = 0
         else:
-            import cupy as cp  # noqa: PLC0415
-
-            with cp.cuda.ExternalStream(arrays.resolve_stream(stream, ())):
+            with _on_stream(self.device, stream):
                 self.counter_array.fill(0)
+
+
+def _on_stream(device: str, stream):
+    return on_stream(device, arrays.resolve_stream(stream, ()))
