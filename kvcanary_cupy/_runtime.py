@@ -115,7 +115,7 @@ class HostReader:
             found = [np.array(p) for p in self._pinned]
         if self._pinned is None:
             self._pinned = [np.frombuffer(cp.cuda.alloc_pinned_memory(max(a.nbytes, 8)), a.dtype, a.size)
-                            for a in self.sources]
+                            .reshape(a.shape) for a in self.sources]
             self._event = cp.cuda.Event(disable_timing=True)
         s = _cupy_stream(ptr) if ptr is not None else cp.cuda.get_current_stream()
         for a, p in zip(self.sources, self._pinned):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import sys
 import warnings
@@ -31,12 +32,34 @@ __all__ = ["KvCanary", "KvCanaryError", "KvCanaryWarning", "SwaGroup", "SweepCha
 logger = logging.getLogger("kvcanary")
 
 
-# Layout of a group's device scalars (one int64 array, so the host reads a group in one copy).
-# ONE sits right before ENABLE and PLANS right before ENABLED: a single add of [1, enable] into
-# [plans, enabled] keeps both counters, and overflows = plans - enabled.
-_NUM_VALID, _ONE, _ENABLE, _REQUESTED, _VP_ERRORS, _PLANS, _ENABLED, _MAX_REQUESTED, \
-    _NUM_ROWS, _WP_ERRORS, _POSITION_CHECK = range(11)
-_NUM_SCALARS = 11
+# Layout of a group's device scalars (one int64 array, so the host reads a group in one copy);
+# overflows = plans - enabled.
+_NUM_VALID, _ENABLE, _REQUESTED, _VP_ERRORS, _PLANS, _ENABLED, _MAX_REQUESTED, \
+    _NUM_ROWS, _WP_ERRORS, _POSITION_CHECK = range(10)
+_NUM_SCALARS = 10
+
+
+def _tally_plan(sc, device: str, ptr) -> None:
+    """plans += 1, enabled += enable, max_requested = max(max_requested, requested), on the
+    device in stream order: one tiny launch that allocates nothing, so it can be captured."""
+    if device == "cpu":
+        sc[_PLANS] += 1
+        sc[_ENABLED] += sc[_ENABLE]
+        sc[_MAX_REQUESTED] = max(sc[_MAX_REQUESTED], sc[_REQUESTED])
+        return
+    with _runtime.on_stream(device, ptr):
+        _tally_kernel()(sc, size=1)
+
+
+@functools.lru_cache(maxsize=1)
+def _tally_kernel():
+    import cupy  # noqa: PLC0415
+
+    return cupy.ElementwiseKernel(
+        "", "raw int64 s",
+        f"s[{_PLANS}] += 1; s[{_ENABLED}] += s[{_ENABLE}];"
+        f"if (s[{_REQUESTED}] > s[{_MAX_REQUESTED}]) s[{_MAX_REQUESTED}] = s[{_REQUESTED}];",
+        "kvcanary_tally_plan")
 
 
 class KvCanaryError(RuntimeError):
@@ -93,7 +116,6 @@ class _Group:
         self.device = device
         self.canary = CanaryBuffer.allocate(num_slots=num_slots, device=device)
         self.sc = arrays.empty((_NUM_SCALARS,), np.int64, device, fill=0)
-        self.sc[_ONE:_ONE + 1].fill(1)
         self.sc[_POSITION_CHECK:_POSITION_CHECK + 1].fill(1)
         self.hard_capacity = hard_capacity
         self.vp = self._verify_plan(capacity, offsets=arrays.empty((max_batch + 1,), np.int64, device, fill=0))
@@ -637,10 +659,7 @@ class KvCanary:
             g.sc[_VP_ERRORS] = errors  # the first plan already counted this step's bad rows
             self._warn(f"kvcanary: verify plan of group '{g.name}' overflowed: a step asked for {req} entries, "
                        f"capacity {cap}; grown to {new} and planned again")
-        with _runtime.on_stream(self.device, ptr):
-            self.xp.add(g.sc[_PLANS:_PLANS + 2], g.sc[_ONE:_ONE + 2], out=g.sc[_PLANS:_PLANS + 2])
-            self.xp.maximum(g.sc[_MAX_REQUESTED:_MAX_REQUESTED + 1], g.sc[_REQUESTED:_REQUESTED + 1],
-                            out=g.sc[_MAX_REQUESTED:_MAX_REQUESTED + 1])
+        _tally_plan(g.sc, self.device, ptr)
 
     def after_forward(self, input_ids=None, positions=None, out_cache_loc=None, *, num_tokens=None,
                       swa_out_cache_loc=None, expected_input_ids=None, expected_positions=None, stream=None) -> None:

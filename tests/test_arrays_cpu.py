@@ -47,7 +47,7 @@ def test_torch_cpu_byte_view_of_bf16():
 def test_jax_cpu_zero_copy():
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
-    x = jnp.arange(8, dtype=jnp.int32)
+    x = jax.device_put(jnp.arange(8, dtype=jnp.int32), jax.devices("cpu")[0])
     v = arrays.as_index_array(x, "x")
     assert v.dtype == np.int32 and v.tolist() == list(range(8))
     assert v.ctypes.data == x.unsafe_buffer_pointer()

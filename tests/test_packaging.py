@@ -44,12 +44,15 @@ def test_wheel_installs_and_finds_kernels(tmp_path):
     assert f"kvcanary_cupy/kernels_cu/{cuda_sources.HEADER}" in names
 
     venv = tmp_path / "venv"
-    # --system-site-packages lends numpy without a download; the wheel itself is installed
-    # into the venv, so it shadows nothing and is found first.
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     py = venv / "bin" / "python"
     if subprocess.run([str(py), "-c", "import numpy"], capture_output=True).returncode:
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "numpy>=1.24"], check=True)
+        # Lend this interpreter's NumPy through a .pth line (no network needed); the
+        # venv's own site-packages, where the wheel goes, still comes first.
+        import numpy  # noqa: PLC0415
+
+        site = next(venv.glob("lib/python*/site-packages"))
+        (site / "numpy_from_host.pth").write_text(str(pathlib.Path(numpy.__file__).parents[1]) + "\n")
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], check=True)
     code = ("import kvcanary_cupy, sys;"
             "from kvcanary_cupy.backends import cuda_sources as c;"
