@@ -47,8 +47,52 @@ def _canary_device(canary, **objects) -> str:
     return canary.device
 
 
-def _stream(stream, device, inputs):
-    return None if device == "cpu" else arrays.resolve_stream(stream, inputs)
+class _Call:
+    """A validated op call: the backend function and the views it takes.
+
+    ``given`` are the caller's array arguments, ``views`` their imported views; the
+    call is *native* when every one was already a NumPy / CuPy array (nothing was
+    imported), and only then may it be replayed for the same arguments.
+    """
+
+    __slots__ = ("fn", "device", "args", "kwargs", "foreign", "native")
+
+    def __init__(self, fn, device, args, kwargs, given=(), views=()):
+        self.fn, self.device, self.args, self.kwargs = fn, device, args, kwargs
+        self.native = all(g is v for g, v in zip(given, views))
+        self.foreign = () if self.native else given  # they pick the default stream (PyTorch's)
+
+    def run(self, stream) -> None:
+        s = None if self.device == "cpu" else arrays.resolve_stream(stream, self.foreign)
+        self.fn(*self.args, **self.kwargs, stream=s)
+
+
+class _LastCall:
+    """An op's last native call. A step that passes the very same objects again (bound
+    buffers, long-lived plans) skips validation and import: the shape, dtype and device
+    of a NumPy / CuPy array cannot change, and nothing here reads array data."""
+
+    __slots__ = ("key", "call")
+
+    def __init__(self):
+        self.key = self.call = None
+
+    def get(self, key) -> _Call | None:
+        k = self.key
+        if k is None or len(k) != len(key):
+            return None
+        for a, b in zip(k, key):
+            if a is not b and not (isinstance(a, int) and isinstance(b, int) and a == b):
+                return None
+        return self.call
+
+    def put(self, key, call: _Call) -> _Call:
+        if call.native:
+            self.key, self.call = key, call
+        return call
+
+
+_PLAN, _WRITE, _VERIFY, _SCATTER = _LastCall(), _LastCall(), _LastCall(), _LastCall()
 
 
 def _no_extra(op: str, extra: dict) -> None:
@@ -114,7 +158,15 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
         >>> vp.host_entries()["slot_indices"].tolist(), wp.seed_slots.tolist()
         ([17, 18, 19], [19, -1])
     """
-    _no_extra("plan", extra)
+    if extra:
+        _no_extra("plan", extra)
+    key = (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
+           page_size, swa, expected)
+    (_PLAN.get(key) or _PLAN.put(key, _prepare_plan(*key))).run(stream)
+
+
+def _prepare_plan(verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token,
+                  block_table, page_size, swa, expected) -> "_Call":
     if verify_plan is None and write_plan is None:
         raise ValueError("kvcanary: plan: expected a verify_plan, a write_plan or both, got neither")
     if verify_plan is not None:
@@ -153,10 +205,10 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
         arrays.check_array(expected.valid_lens, "expected.valid_lens", device=device, min_len=bs)
         if verify_plan is None:
             raise ValueError("kvcanary: expected: expected tokens fill verify_plan.expected_tokens; pass a verify_plan")
-    backend_for(device).plan(
-        verify_plan, write_plan, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table,
-        page_size=page, swa=swa, expected=expected,
-        stream=_stream(stream, device, (req_pool_indices, prefix_lens, extend_lens, table_obj)))
+    return _Call(backend_for(device).plan, device, (verify_plan, write_plan),
+                 dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table, page_size=page,
+                      swa=swa, expected=expected),
+                 given=(req_pool_indices, prefix_lens, extend_lens, table_obj), views=(rpi, pre, ext, table))
 
 
 def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, out_cache_loc,
@@ -180,24 +232,36 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
             WRITE_TOKEN / WRITE_POSITION violations.
         stream: CUDA stream.
     """
-    _no_extra("write", extra)
+    if extra:
+        _no_extra("write", extra)
+    key = (canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv_mode, expected_inputs,
+           *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
+    (_WRITE.get(key) or _WRITE.put(key, _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log,
+                                                       tag, real_kv, real_kv_mode, expected_inputs))).run(stream)
+
+
+def _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode,
+                   expected_inputs) -> "_Call":
     device = _canary_device(canary, write_plan=(write_plan, WritePlan), log=(log, ViolationLog))
     ids = arrays.as_index_array(input_ids, "input_ids", device=device)
     pos = arrays.as_index_array(positions, "positions", device=device)
     loc = arrays.as_index_array(out_cache_loc, "out_cache_loc", device=device)
     exp_tok = exp_pos = None
+    given, views = [input_ids, positions, out_cache_loc], [ids, pos, loc]
     if expected_inputs is not None:
         if not isinstance(expected_inputs, (tuple, list)) or len(expected_inputs) != 2:
             raise TypeError("kvcanary: expected_inputs: expected a pair (tokens, positions), either may be None")
         if expected_inputs[0] is not None:
             exp_tok = arrays.as_index_array(expected_inputs[0], "expected_inputs[0]", device=device)
+            given.append(expected_inputs[0]), views.append(exp_tok)
         if expected_inputs[1] is not None:
             exp_pos = arrays.as_index_array(expected_inputs[1], "expected_inputs[1]", device=device)
+            given.append(expected_inputs[1]), views.append(exp_pos)
     srcs, mode = _sources(real_kv, real_kv_mode, device, canary.num_slots)
-    backend_for(device).write(
-        canary, write_plan, input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=int(tag),
-        sources=srcs, mode=mode, expected_tokens=exp_tok, expected_positions=exp_pos,
-        stream=_stream(stream, device, (input_ids, positions, out_cache_loc)))
+    return _Call(backend_for(device).write, device, (canary, write_plan),
+                 dict(input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=int(tag), sources=srcs,
+                      mode=mode, expected_tokens=exp_tok, expected_positions=exp_pos),
+                 given=tuple(given), views=tuple(views))
 
 
 def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, tag: int,
@@ -216,14 +280,21 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
             ``1/period`` of the slots only (chain, position and token: always all).
         stream: CUDA stream.
     """
-    _no_extra("verify", extra)
+    if extra:
+        _no_extra("verify", extra)
+    key = (canary, verify_plan, log, tag, real_kv_mode, check_tokens, sample,
+           *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
+    (_VERIFY.get(key) or _VERIFY.put(key, _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode,
+                                                          check_tokens, sample))).run(stream)
+
+
+def _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample) -> "_Call":
     device = _canary_device(canary, verify_plan=(verify_plan, VerifyPlan), log=(log, ViolationLog),
                             sample=(sample, FingerprintSampler))
     srcs, mode = _sources(real_kv, real_kv_mode, device, canary.num_slots)
-    backend_for(device).verify(
-        canary, verify_plan, log=log, tag=int(tag), sources=srcs, mode=mode,
-        check_tokens=bool(check_tokens), sample=sample if srcs else None,
-        stream=_stream(stream, device, ()))
+    return _Call(backend_for(device).verify, device, (canary, verify_plan),
+                 dict(log=log, tag=int(tag), sources=srcs, mode=mode, check_tokens=bool(check_tokens),
+                      sample=sample if srcs else None))
 
 
 def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=None, **extra) -> None:
@@ -237,13 +308,19 @@ def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=
         req_pool_indices: int32 / int64 ``[bs]``; row 0 (padding) and rows outside
             the table are skipped, as are token spans outside ``tokens``.
     """
-    _no_extra("scatter_expected_tokens", extra)
+    if extra:
+        _no_extra("scatter_expected_tokens", extra)
+    key = (table, tokens, offsets, req_pool_indices)
+    (_SCATTER.get(key) or _SCATTER.put(key, _prepare_scatter(*key))).run(stream)
+
+
+def _prepare_scatter(table, tokens, offsets, req_pool_indices) -> "_Call":
     t = arrays.as_index_array(table, "table", ndim=2)
     arrays.check_array(t, "table", writable=True)
     device = arrays.device_of(t)
     tok = arrays.as_index_array(tokens, "tokens", device=device)
     rpi = arrays.as_index_array(req_pool_indices, "req_pool_indices", device=device)
     off = arrays.as_index_array(offsets, "offsets", device=device, min_len=int(rpi.shape[0]) + 1)
-    backend_for(device).scatter_expected_tokens(
-        t, tokens=tok, offsets=off, req_pool_indices=rpi,
-        stream=_stream(stream, device, (table, tokens, offsets, req_pool_indices)))
+    return _Call(backend_for(device).scatter_expected_tokens, device, (t,),
+                 dict(tokens=tok, offsets=off, req_pool_indices=rpi),
+                 given=(table, tokens, offsets, req_pool_indices), views=(t, tok, off, rpi))
