@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-STAGES=${STAGES:-"tests fuzz selftest bench"}
+STAGES=${STAGES:-"tests fuzz selftest overhead bench"}
 failed=0
 stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, print the tail
     local name=$1; shift
@@ -27,6 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 stage tests python3 -m pytest -q -p no:cacheprovider -rfE --deselect tests/gpu/test_parity_fuzz.py
 stage fuzz env KVCANARY_FUZZ_CASES="${FUZZ_CASES:-500}" python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_parity_fuzz.py
 stage selftest python3 -m kvcanary_cupy selftest --backend cuda --json /tmp/selftest.json
+stage overhead python3 benchmarks/monitor_host_overhead.py
 cp benchmarks/README.md "$OUT/bench.md" 2>/dev/null  # the harness fills in its table; copy it back
 stage bench python3 -m kvcanary_cupy bench --json "$OUT/bench.json" --markdown "$OUT/bench.md"
 exit $failed
