@@ -154,6 +154,27 @@ def test_bench_steps_are_clean_and_sized_as_counted(case, kv_layers):
     assert case.entries == 0 or log.count >= 1
 
 
+def test_only_a_window_sends_the_step_through_the_lut():
+    """A pool shared with a window case has a LUT; a case without a window must still
+    write the table's own slots (the next positions of its rows), never LUT images that
+    may be another instance's prefix."""
+    xp, rs = np, workloads.random_state(np, 11)
+    num_slots = 4000
+    lut = workloads.make_lut(xp, rs, num_slots)
+    assert not np.array_equal(lut[1:], np.arange(1, num_slots))  # a real permutation, not the identity
+    decode = C.Case("d", "decode", 3, 40, 2)
+    swa = C.Case("w", "swa", 3, 40, 2, window=7)
+    slots = workloads.draw_slots(xp, rs, decode.slots, num_slots - 1)
+    d = workloads.build(xp, "cpu", decode, slots, rs, lut)
+    assert d.swa is None
+    assert np.array_equal(d.out_cache_loc, d.table[1:, 40:].reshape(-1))
+    w = workloads.build(xp, "cpu", swa, slots, rs, lut)
+    assert w.swa is not None and w.swa.lut is lut
+    assert np.array_equal(w.out_cache_loc, lut[w.table[1:, 40:].reshape(-1)])
+    with pytest.raises(ValueError, match="kvcanary: bench: lut"):
+        workloads.build(xp, "cpu", swa, slots, rs, None)
+
+
 # --- report ----------------------------------------------------------------------------
 def _fake_results():
     def ops(plan, verify, write, xf):
@@ -315,6 +336,7 @@ def _check_run(res, md_text, *, expect_baseline: bool, expect_graph: bool):
     for c in res["cases"]:
         assert not c["error"], f"{c['name']}: {c.get('traceback')}"
         assert c["checks"]["violations"] == 0, c["name"]
+        assert c["checks"].get("violations_after_write", 0) == 0, c["name"]  # the writes left every prefix intact
         if "verify" in c["timed_ops"]:
             assert c["checks"]["requested"] == c["checks"]["expected_entries"] == c["entries"]
             assert c["checks"]["enable"] == 1 and c["checks"]["input_errors"] == 0
@@ -352,6 +374,23 @@ def test_cpu_dry_run(tmp_path, capsys):
     _check_run(res, text, expect_baseline=_torch_available(False), expect_graph=False)
     assert {c["group"] for c in res["cases"]} == {"decode", "swa", "real_kv", "write_row"}
     assert out.rstrip().splitlines()[-1].startswith("baseline takes more host time")  # the short table is last
+
+
+def test_cpu_dry_run_rotating_input_sets(tmp_path, monkeypatch):
+    """As on a GPU, tiny cases rotate over several input sets on one canary (a CPU has no
+    L2 to defeat, so an H200's size is assumed): the sets must not disturb each other."""
+    from kvcanary_cupy.bench import platforms  # noqa: PLC0415
+
+    monkeypatch.setattr(platforms.CpuPlatform, "rotation_l2", lambda self: H200_L2)
+    j, md = tmp_path / "b.json", tmp_path / "README.md"
+    rc = main(["--quick", "--device", "cpu", "--runs", "2", "--json", str(j), "--markdown", str(md),
+               "--only", r"decode|swa|PARTIAL b4"])
+    assert rc == 0
+    res = json.loads(j.read_text())
+    _check_run(res, md.read_text(), expect_baseline=_torch_available(False), expect_graph=False)
+    assert {c["group"] for c in res["cases"]} == {"decode", "swa", "real_kv"}
+    assert all(c["sets"] == 2 and c["l2_flush"] for c in res["cases"])  # the quick suite's most sets
+    assert all("violations_after_write" in c["checks"] for c in res["cases"])
 
 
 @pytest.mark.gpu

@@ -26,8 +26,11 @@ import sys
 import time
 import traceback
 
+import numpy as np
+
+from ..arrays import to_host as _host
 from ..canary import CanaryBuffer
-from ..format import RealKvMode
+from ..format import VIOLATION_COLUMNS, FailReason, LaunchTag, RealKvMode
 from ..violations import ViolationLog
 from . import cases as C
 from . import floors, report, workloads
@@ -39,6 +42,13 @@ LOG_CAPACITY = 4096
 def _err(e: BaseException) -> str:
     tb = traceback.format_exception(type(e), e, e.__traceback__)
     return f"{type(e).__name__}: {e}\n" + "".join(tb[-6:])
+
+
+def _tag_name(tag: int) -> str:
+    try:
+        return LaunchTag(tag).name.lower()
+    except ValueError:
+        return str(tag)
 
 
 def _short(e: BaseException) -> str:
@@ -257,7 +267,8 @@ class Runner:
         sources = ctx["sources"]
         high = C.draw_range(c, k, pool)
         slots = workloads.draw_slots(xp, rs, k * c.slots, high)
-        insts = [workloads.build(xp, p.device, c, slots[i * c.slots:(i + 1) * c.slots], rs, ctx["lut"])
+        lut = ctx["lut"] if c.window is not None else None  # only a window translates slots
+        insts = [workloads.build(xp, p.device, c, slots[i * c.slots:(i + 1) * c.slots], rs, lut)
                  for i in range(k)]
         del slots
         for inst in insts:
@@ -282,6 +293,15 @@ class Runner:
         sc = insts[0].vp.host_scalars()
         entry["checks"] = {"violations": log.count, "requested": sc["requested"], "enable": sc["enable"],
                            "input_errors": sc["input_errors"], "expected_entries": c.entries}
+        if "verify" in c.ops and "write" in c.ops:
+            # The timed verifies all ran before the timed writes; one more of every set now
+            # shows whether a step's writes disturbed a record some set verifies (the
+            # baseline, which copies the canary after the writes, would report it).
+            before = log.count
+            for cl in calls:
+                cl["verify"]()
+            p.sync()
+            entry["checks"]["violations_after_write"] = log.count - before
         line = ", ".join(f"{op} {entry['ops'][op]['device_us']:.1f} us" for op in c.ops)
         self.say(f"[bench] {c.name}: {line}; violations {log.count}")
 
@@ -319,35 +339,78 @@ class Runner:
             tc["plan"]()
         timer = p.torch_timer()
         res = {"ops": {}, "agrees": {}}
+        by_op = {}
         for op in c.ops:
+            before = int(tlog.head[0])
             t = timer.device(lambda i, op=op: tcs[i % k][op](), runs=s.runs, warmup=2, flush=flush,
                              budget_s=s.baseline_budget_s)
             res["ops"][op] = t.as_dict()
+            by_op[op] = int(tlog.head[0]) - before  # the timer synchronized: the head is final
         # Each set owns its plans on both sides, so set 0's plans hold set 0's step.
         timer.sync()
         p.sync()
-        res["agrees"] = self._agreement(c, insts[0], tis[0], canary, trec, tlog, "verify" in c.ops)
+        res["agrees"] = self._agreement(c, insts, tis, canary, trec, tlog, "verify" in c.ops)
+        if res["agrees"]["baseline_violations"]:
+            res["agrees"]["violations_by_op"] = by_op
         timer.release()
         return res
 
-    def _agreement(self, c, inst, ti, canary, trec, tlog, verified: bool) -> dict:
+    def _agreement(self, c, insts, tis, canary, trec, tlog, verified: bool) -> dict:
+        """Plans of every set, set 0's written records and the baseline's log, against kvcanary's."""
         xp = self.xp
 
         def same(a, t):
             return bool(xp.array_equal(a, xp.from_dlpack(t.contiguous())))
 
         n = c.entries
-        vp, tvp = inst.vp, ti.vp
-        plan_ok = all(same(getattr(vp, f)[:n], getattr(tvp, f)[:n]) for f in
-                      ("slot_indices", "prev_slot_indices", "expected_positions", "expected_tokens"))
-        plan_ok &= same(vp.offsets, tvp.offsets) and same(inst.wp.offsets, ti.wp.offsets)
-        plan_ok &= same(inst.wp.seed_slots, ti.wp.seed_slots)
-        out = {"plan": plan_ok, "baseline_violations": int(tlog.head[0])}
+        plan_ok = True
+        for inst, ti in zip(insts, tis):
+            vp, tvp = inst.vp, ti.vp
+            plan_ok &= all(same(getattr(vp, f)[:n], getattr(tvp, f)[:n]) for f in
+                           ("slot_indices", "prev_slot_indices", "expected_positions", "expected_tokens"))
+            plan_ok &= same(vp.offsets, tvp.offsets) and same(inst.wp.offsets, ti.wp.offsets)
+            plan_ok &= same(inst.wp.seed_slots, ti.wp.seed_slots)
+        count = int(tlog.head[0])
+        out = {"plan": plan_ok, "baseline_violations": count}
         if "write" in c.ops:
             import torch  # noqa: PLC0415
 
-            loc = inst.out_cache_loc
+            # Only set 0's step slots were poisoned, so only they prove the baseline wrote them.
+            loc = insts[0].out_cache_loc
             out["write"] = same(canary.records[loc], trec[torch.from_dlpack(loc)])
         if verified:
-            out["verify"] = int(tlog.head[0]) == 0
+            out["verify"] = count == 0
+        if count:
+            try:
+                out["first_violations"] = self._explain(c, insts, canary, trec, tlog)
+            except Exception as e:  # noqa: BLE001  (a diagnosis must not hide the verdict above)
+                out["first_violations"] = f"unavailable: {_short(e)}"
+        return out
+
+    def _explain(self, c, insts, canary, trec, tlog, limit: int = 4) -> list:
+        """The baseline's first violation rows, each with where its slot lies in the case's
+        sets (prefix position or step write) and its record in both canaries."""
+        rows = tlog.rows()[:limit].cpu().numpy()
+        num_slots = int(trec.shape[0])
+        prefixes, steps = [], []  # per set: the slots its prefix holds, the slots its step writes
+        for inst in insts:
+            tab = np.asarray(_host(inst.table[1:, :c.prefix]), dtype=np.int64)
+            if inst.swa is not None:
+                tab = np.asarray(_host(inst.swa.lut), dtype=np.int64)[tab]
+            prefixes.append(tab)
+            steps.append(np.asarray(_host(inst.out_cache_loc)))
+        out = []
+        for row in rows:
+            d = {name: int(v) for name, v in zip(VIOLATION_COLUMNS, row)}
+            d["op"] = _tag_name(d["tag"])
+            d["fail"] = FailReason(d["fail_bits"] & 0xFF).describe()
+            slot = d["slot"]
+            d["in_prefix"] = [{"set": i, "row": int(r), "position": int(pos)}
+                              for i, tab in enumerate(prefixes) for r, pos in zip(*np.nonzero(tab == slot))]
+            d["in_step"] = [{"set": i, "token": int(j)}
+                            for i, loc in enumerate(steps) for j in np.nonzero(loc == slot)[0]]
+            if 0 <= slot < num_slots:
+                d["baseline_record"] = trec[slot].cpu().tolist()
+                d["kvcanary_record"] = np.asarray(_host(canary.records[slot])).tolist()
+            out.append(d)
         return out

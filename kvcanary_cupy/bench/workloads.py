@@ -104,7 +104,19 @@ def kv_source(kv) -> RealKvSource:
 
 
 def build(xp, device: str, case: Case, slots, rs, lut=None) -> Instance:
-    """One instance of ``case`` whose table holds ``slots`` (int64 ``[case.slots]``, distinct)."""
+    """One instance of ``case`` whose table holds ``slots`` (int64 ``[case.slots]``, distinct).
+
+    ``lut`` is the pool's SWA LUT (int ``[num_slots]``). A case with a window needs it:
+    its table holds full-pool slots and every slot it reads or writes goes through the
+    LUT. A case without a window ignores it: its step writes the table's own slots at
+    positions ``[prefix, prefix + extend)``, as its verify plan and ``populate`` read them.
+    """
+    if case.window is None:
+        # A pool shared with a window case has a LUT; translating this case's new slots
+        # would send its writes to random slots, possibly another instance's prefix.
+        lut = None
+    elif lut is None:
+        raise ValueError(f"kvcanary: bench: lut: case {case.name!r} has a window and needs the pool's LUT, got None")
     B, P, E, W = case.batch, case.prefix, case.extend, case.width
     table = xp.zeros((B + 1, W), dtype=TABLE_DTYPE)
     table[1:] = slots.reshape(B, W).astype(TABLE_DTYPE)
