@@ -29,5 +29,5 @@ stage fuzz env KVCANARY_FUZZ_CASES="${FUZZ_CASES:-500}" python3 -m pytest -q -p 
 stage selftest python3 -m kvcanary_cupy selftest --backend cuda --json /tmp/selftest.json
 stage overhead python3 benchmarks/monitor_host_overhead.py
 cp benchmarks/README.md "$OUT/bench.md" 2>/dev/null  # the harness fills in its table; copy it back
-stage bench python3 -m kvcanary_cupy bench --json "$OUT/bench.json" --markdown "$OUT/bench.md"
+stage bench python3 -m kvcanary_cupy bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" ${BENCH_ARGS:-}
 exit $failed

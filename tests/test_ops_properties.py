@@ -338,9 +338,10 @@ def test_write_matches_scalar_model(xp, device, seed, check, with_exp, mode, dty
         if with_exp in ("tok", "both") else None
     exp_pos = np.where(rng.random(total + 3) < 0.8, posn, rng.integers(-1, 30, size=total + 3)) \
         if with_exp in ("pos", "both") else None
-    # forged spans now and then
+    # forged spans now and then, on the last row: moving an inner boundary would make two rows
+    # share a token (and its slot), whose record then depends on GPU thread order
     if nrows and rng.random() < 0.3:
-        r = int(rng.integers(0, nrows))
+        r = nrows - 1
         offsets[r + 1] = rng.choice([offsets[r] - 1, total + 9])
     avail_cut = int(rng.integers(0, 3)) if rng.random() < 0.2 else None
     if avail_cut is not None:

@@ -34,7 +34,6 @@ from . import cuda_sources
 
 BLOCK = 256  # threads per block for every kernel (the kernels accept any multiple of 32)
 BLOCKS_PER_SM = 8  # 2048 resident threads per SM at 256 per block
-_CACHE_LIMIT = 256  # prepared launches kept per op before the cache is dropped
 
 # Field order of the kernels' argument structs (kernels_cu/*.cu).
 PLAN_FIELDS = (
@@ -155,9 +154,9 @@ def _dev(a) -> int:
 class _Launch:
     """One or two kernels sharing one packed argument struct."""
 
-    __slots__ = ("fns", "buf", "params", "params_ptr", "dev", "grids", "lock", "index", "__weakref__")
+    __slots__ = ("fns", "buf", "params", "params_ptr", "dev", "grids", "lock", "index", "keep", "__weakref__")
 
-    def __init__(self, fields, fns, dev, values: dict):
+    def __init__(self, fields, fns, dev, values: dict, keep=None):
         self.index = {f: i for i, f in enumerate(fields)}
         self.buf = np.zeros(len(fields), dtype=np.int64)
         for k, v in values.items():
@@ -169,6 +168,7 @@ class _Launch:
         self.dev = dev
         self.grids = None
         self.lock = threading.Lock()
+        self.keep = keep  # device arrays the packed pointers point into, owned by this launch
 
     def run(self, grids, stream: int) -> None:
         rt = _rt
@@ -195,37 +195,39 @@ def _blocks(threads: int, sms: int) -> int:
     return max(1, min(-(-threads // BLOCK), sms * BLOCKS_PER_SM))
 
 
-def _bounded(cache: dict) -> dict:
-    if len(cache) >= _CACHE_LIMIT:
-        cache.clear()
-    return cache
+# Prepared launches live as long as the object whose buffers they point at (the canary,
+# or a plan): a captured graph may replay them at any time, so none is evicted while its
+# buffers exist, and none outlives them. The inner key must not hold the owner itself.
+_launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _cached(owner, key, make) -> _Launch:
+    per = _launches.get(owner)
+    if per is None:
+        per = _launches[owner] = {}
+    L = per.get(key)
+    if L is None:
+        L = per[key] = make()
+    return L
 
 
 # --- real-KV fold descriptors -------------------------------------------------
-_folds: dict = {}
-
-
 def _fold_table(sources, mode, dev: int, stream: int):
-    """(device array [F, 4] or None, F) for the sources' layers; built once per
-    (sources, mode), kept with the sources alive."""
+    """(device array [F, 4] or None, F): one row per (source, layer): base address,
+    bytes per token, 16-byte chunks hashed. Owned by the launch that uses it."""
     if mode == RealKvMode.NONE or not sources:
         return None, 0
-    key = (sources, mode)
-    hit = _folds.get(key)
-    if hit is None:
-        rows = []
-        for src in sources:
-            eff = fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else src.read_bytes
-            base = _ptr(src.data)
-            for layer in range(src.num_layers):
-                rows.append((base + layer * src.layer_bytes, src.bytes_per_token, eff // fmt.KV_CHUNK_BYTES, 0))
-        host = np.array(rows, dtype=np.int64).reshape(-1, 4)
-        hit = _bounded(_folds)[key] = (_runtime().upload_i64(host, dev, stream), host.shape[0])
-    return hit
+    rows = []
+    for src in sources:
+        eff = fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else src.read_bytes
+        base = _ptr(src.data)
+        for layer in range(src.num_layers):
+            rows.append((base + layer * src.layer_bytes, src.bytes_per_token, eff // fmt.KV_CHUNK_BYTES, 0))
+    host = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    return _runtime().upload_i64(host, dev, stream), host.shape[0]
 
 
 # --- plan --------------------------------------------------------------------
-_plans: dict = {}
 _tickets: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # plan -> (chunk array, index)
 _ticket_chunks: dict = {}  # device -> [chunk array, next free index]
 _TICKETS_PER_CHUNK = 1024
@@ -248,12 +250,12 @@ def _ticket(owner, dev: int, stream: int) -> int:
 
 
 def _plan_launch(vp, wp, stream: int) -> _Launch:
-    key = (vp, wp)
-    L = _plans.get(key)
-    if L is not None:
-        return L
+    owner, other = (vp, wp) if vp is not None else (wp, None)
+    return _cached(owner, other, lambda: _make_plan_launch(vp, wp, owner, stream))
+
+
+def _make_plan_launch(vp, wp, owner, stream: int) -> _Launch:
     rt = _runtime()
-    owner = vp if vp is not None else wp
     dev = _dev(owner.offsets)
     v = {"ticket": _ticket(owner, dev, stream)}
     if vp is not None:
@@ -270,7 +272,6 @@ def _plan_launch(vp, wp, stream: int) -> _Launch:
         fns.append(rt.function("plan", "kvc::plan_fill", dev))
     L = _Launch(PLAN_FIELDS, fns, dev, v)
     L.grids = (rt.sm_count(dev), vp.capacity if vp is not None else 0)
-    _bounded(_plans)[key] = L
     return L
 
 
@@ -304,7 +305,20 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
 
 
 # --- write -------------------------------------------------------------------
-_writes: dict = {}
+def _make_write_launch(canary, wp, log, tag, sources, mode, stream: int) -> _Launch:
+    rt = _runtime()
+    dev = _dev(canary.records)
+    folds, nf = _fold_table(sources, mode, dev, stream)
+    name = "kvc::write_tokens<true>" if nf else "kvc::write_tokens<false>"
+    L = _Launch(WRITE_FIELDS, [rt.function("write", name, dev)], dev, dict(
+        records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
+        offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
+        position_check=_ptr(wp.position_check), max_batch=wp.max_batch,
+        ring=_aligned16(log.ring, "log.ring"), head=_ptr(log.head), ring_capacity=log.capacity,
+        counters=_ptr(log.counter_array), tag=_i64(tag), folds=_ptr(folds) if nf else 0, num_folds=nf),
+        keep=folds)
+    L.grids = (rt.sm_count(dev), wp.max_batch * 32, min(nf, 32))
+    return L
 
 
 def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode, expected_tokens,
@@ -312,21 +326,8 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
     """See :func:`kvcanary_cupy.ops.write`; views already validated."""
     if stream is None:
         stream = _runtime().default_stream()
-    key = (canary, wp, log, sources, mode, tag)
-    L = _writes.get(key)
-    if L is None:
-        rt = _runtime()
-        dev = _dev(canary.records)
-        folds, nf = _fold_table(sources, mode, dev, stream)
-        name = "kvc::write_tokens<true>" if nf else "kvc::write_tokens<false>"
-        L = _Launch(WRITE_FIELDS, [rt.function("write", name, dev)], dev, dict(
-            records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
-            offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
-            position_check=_ptr(wp.position_check), max_batch=wp.max_batch,
-            ring=_aligned16(log.ring, "log.ring"), head=_ptr(log.head), ring_capacity=log.capacity,
-            counters=_ptr(log.counter_array), tag=_i64(tag), folds=_ptr(folds) if nf else 0, num_folds=nf))
-        L.grids = (rt.sm_count(dev), wp.max_batch * 32, min(nf, 32))
-        _bounded(_writes)[key] = L
+    L = _cached(canary, (wp, log, sources, mode, tag),
+                lambda: _make_write_launch(canary, wp, log, tag, sources, mode, stream))
     avail = min(input_ids.shape[0], positions.shape[0], out_cache_loc.shape[0])
     widths = input_ids.itemsize >> 3 | (positions.itemsize >> 3) << 1 | (out_cache_loc.itemsize >> 3) << 2
     et_ptr = ep_ptr = 0
@@ -346,32 +347,31 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
 
 
 # --- verify ------------------------------------------------------------------
-_verifies: dict = {}
+def _make_verify_launch(canary, vp, log, tag, sources, mode, check_tokens, sample, stream: int) -> _Launch:
+    rt = _runtime()
+    dev = _dev(canary.records)
+    folds, nf = _fold_table(sources, mode, dev, stream)
+    name = "kvc::verify_entries<true>" if nf else "kvc::verify_entries<false>"
+    L = _Launch(VERIFY_FIELDS, [rt.function("verify", name, dev)], dev, dict(
+        records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
+        slot_indices=_ptr(vp.slot_indices), prev_slot_indices=_ptr(vp.prev_slot_indices),
+        expected_positions=_ptr(vp.expected_positions), expected_tokens=_ptr(vp.expected_tokens),
+        offsets=_ptr(vp.offsets), offsets_len=vp.offsets.shape[0], num_valid=_ptr(vp.num_valid),
+        enable=_ptr(vp.enable), capacity=vp.capacity, ring=_aligned16(log.ring, "log.ring"), head=_ptr(log.head),
+        ring_capacity=log.capacity, counters=_ptr(log.counter_array), tag=_i64(tag),
+        check_tokens=1 if check_tokens else 0, folds=_ptr(folds) if nf else 0, num_folds=nf,
+        sample_state=_ptr(sample.state) if sample is not None else 0,
+        period=sample.period if sample is not None else 1), keep=folds)
+    L.grids = (_blocks(vp.capacity * (min(nf, 32) if nf else 1), rt.sm_count(dev)),)
+    return L
 
 
 def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample, stream=None):
     """See :func:`kvcanary_cupy.ops.verify`; views already validated."""
     if stream is None:
         stream = _runtime().default_stream()
-    key = (canary, vp, log, sources, mode, tag, check_tokens, sample)
-    L = _verifies.get(key)
-    if L is None:
-        rt = _runtime()
-        dev = _dev(canary.records)
-        folds, nf = _fold_table(sources, mode, dev, stream)
-        name = "kvc::verify_entries<true>" if nf else "kvc::verify_entries<false>"
-        L = _Launch(VERIFY_FIELDS, [rt.function("verify", name, dev)], dev, dict(
-            records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
-            slot_indices=_ptr(vp.slot_indices), prev_slot_indices=_ptr(vp.prev_slot_indices),
-            expected_positions=_ptr(vp.expected_positions), expected_tokens=_ptr(vp.expected_tokens),
-            offsets=_ptr(vp.offsets), offsets_len=vp.offsets.shape[0], num_valid=_ptr(vp.num_valid),
-            enable=_ptr(vp.enable), capacity=vp.capacity, ring=_aligned16(log.ring, "log.ring"), head=_ptr(log.head),
-            ring_capacity=log.capacity, counters=_ptr(log.counter_array), tag=_i64(tag),
-            check_tokens=1 if check_tokens else 0, folds=_ptr(folds) if nf else 0, num_folds=nf,
-            sample_state=_ptr(sample.state) if sample is not None else 0,
-            period=sample.period if sample is not None else 1))
-        L.grids = (_blocks(vp.capacity * (min(nf, 32) if nf else 1), rt.sm_count(dev)),)
-        _bounded(_verifies)[key] = L
+    L = _cached(canary, (vp, log, sources, mode, tag, check_tokens, sample),
+                lambda: _make_verify_launch(canary, vp, log, tag, sources, mode, check_tokens, sample, stream))
     L.run(L.grids, stream)
 
 

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--runs", type=int, default=None, help="timed runs per figure (default 50; 5 with --quick)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline")
     ap.add_argument("--only", metavar="REGEX", default=None, help="only the cases whose name matches")
+    ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="wall-clock budget: the baseline stops at 85%% of it, the remaining cases at 100%%")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cuda (default), or cpu: a dry run of the harness on the NumPy reference")
     return ap
@@ -49,6 +51,8 @@ def main(argv=None) -> int:
     suite = cases.quick_suite() if args.quick else cases.full_suite()
     if args.runs is not None:
         suite = dataclasses.replace(suite, runs=args.runs)
+    if args.budget is not None:
+        suite = dataclasses.replace(suite, soft_deadline_s=0.85 * args.budget, hard_deadline_s=args.budget)
     suite = cases.select(suite, args.only)
     platform = make_platform(args.device)
     try:
