@@ -8,6 +8,8 @@ reference on ``"cpu"``, the CUDA backend on a GPU. Data the host cannot see
 """
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Sequence
 
 from . import arrays
@@ -55,16 +57,19 @@ class _Call:
     imported), and only then may it be replayed for the same arguments.
     """
 
-    __slots__ = ("fn", "device", "args", "kwargs", "foreign", "native")
+    __slots__ = ("launch", "device", "foreign", "native")
 
     def __init__(self, fn, device, args, kwargs, given=(), views=()):
-        self.fn, self.device, self.args, self.kwargs = fn, device, args, kwargs
+        self.device = device
         self.native = all(g is v for g, v in zip(given, views))
         self.foreign = () if self.native else given  # they pick the default stream (PyTorch's)
+        # A backend may pack the call once (bind_<op>); else the call is made in full each time.
+        bind = getattr(sys.modules[fn.__module__], "bind_" + fn.__name__, None)
+        self.launch = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)
 
     def run(self, stream) -> None:
         s = None if self.device == "cpu" else arrays.resolve_stream(stream, self.foreign)
-        self.fn(*self.args, **self.kwargs, stream=s)
+        self.launch(stream=s)
 
 
 class _LastCall:
