@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -15,6 +16,15 @@ def cuda_available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # noqa: BLE001  (no CuPy, no driver, no device: all mean "no GPU")
         return False
+
+
+def pytest_configure(config):
+    # Under compute-sanitizer, give every CuPy array its own allocation so memcheck sees any
+    # overrun (the memory pool would hide one that stays inside a pooled block).
+    if os.environ.get("KVCANARY_CUPY_POOL") == "0" and cuda_available():
+        import cupy  # noqa: PLC0415
+
+        cupy.cuda.set_allocator(None)
 
 
 def pytest_collection_modifyitems(config, items):
