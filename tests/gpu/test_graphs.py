@@ -55,6 +55,14 @@ class Step:
         self.pool = cp.asarray(rng.integers(0, 256, size=(2, N * 32), dtype=np.uint8))
         self.src = kc.RealKvSource(self.pool, page_size=1, bytes_per_token=32, layer_axis=True)
 
+    def reset_after_warmup(self):
+        """Forget what a warm-up run wrote (on CuPy's current stream), then poison the plans."""
+        self.canary.records.fill(0)
+        self.log.clear()
+        self.log.reset_counters()
+        self.sampler.state.fill(0)
+        self.poison()
+
     def poison(self):
         for f in kc.VerifyPlan.ENTRY_FIELDS + ("offsets",):
             getattr(self.vp, f).fill(POISON)
@@ -133,11 +141,7 @@ def test_torch_graph_capture_and_replay(cp):
     with torch.cuda.stream(side):  # warm-up: first calls allocate the plan ticket and fold table
         g_step.run(static, verify_stream=torch.cuda.current_stream())
     torch.cuda.synchronize()
-    g_step.canary.records.fill(0)
-    g_step.log.clear()
-    g_step.log.reset_counters()
-    g_step.sampler.state.fill(0)
-    g_step.poison()
+    g_step.reset_after_warmup()
     cp.cuda.Device().synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -165,11 +169,7 @@ def test_torch_capture_with_preimported_views_and_explicit_stream(cp):
     views = {k: kc.as_view(v, k) for k, v in static.items()}
     g_step.run(views, stream=torch.cuda.current_stream())
     torch.cuda.synchronize()
-    g_step.canary.records.fill(0)
-    g_step.log.clear()
-    g_step.log.reset_counters()
-    g_step.sampler.state.fill(0)
-    g_step.poison()
+    g_step.reset_after_warmup()
     cp.cuda.Device().synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -217,11 +217,7 @@ def test_cupy_stream_capture_and_replay(cp):
         g_step.run(static)  # warm-up on s (CuPy's current stream)
     s.synchronize()
     with s:
-        g_step.canary.records.fill(0)
-        g_step.log.clear()
-        g_step.log.reset_counters()
-        g_step.sampler.state.fill(0)
-        g_step.poison()
+        g_step.reset_after_warmup()
     s.synchronize()
     with s:
         s.begin_capture()
