@@ -18,13 +18,6 @@ def is_cpu(device: str) -> bool:
     return device == "cpu"
 
 
-def stream_ptr(device: str, stream, inputs=()):
-    """The raw stream pointer ops run on (None on the CPU); see ``arrays.resolve_stream``."""
-    if is_cpu(device):
-        return None
-    return arrays.resolve_stream(stream, inputs)
-
-
 def _cupy_stream(ptr):
     cp = sys.modules.get("cupy") or __import__("cupy")
     return arrays.cupy_stream(int(ptr), int(cp.cuda.runtime.getDevice()))
@@ -94,11 +87,6 @@ class HostReader:
         self.sources = list(sources)
         self._pinned = None
         self._event = None
-        self._staged = False
-
-    def set_sources(self, sources: list) -> None:
-        self.sources = list(sources)
-        self._pinned = None
         self._staged = False
 
     def read_now(self) -> list[np.ndarray]:

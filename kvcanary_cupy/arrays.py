@@ -305,12 +305,6 @@ def as_index_array(obj, name: str, *, ndim: int = 1, device: str | None = None, 
     return as_array(obj, name, dtypes=INDEX_DTYPES, ndim=ndim, device=device, min_len=min_len)
 
 
-def same_device(name_arrays: Iterable[tuple[str, Any]], device: str) -> None:
-    for name, a in name_arrays:
-        if a is not None:
-            check_array(a, name, device=device, contiguous=False)
-
-
 def as_byte_view(obj, name: str):
     """A flat uint8 view of a contiguous array of any dtype (bf16, fp8 included).
 

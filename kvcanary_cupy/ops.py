@@ -37,12 +37,10 @@ def _expect(obj, cls, name):
 
 
 def _canary_device(canary, **objects) -> str:
-    """Type-check the canary and its companions (name=(obj, class); None allowed for
-    optional ones) and require them on the canary's device, which is returned."""
+    """Type-check the canary and its companions (name=(obj, class)) and require them on
+    the canary's device, which is returned."""
     _expect(canary, CanaryBuffer, "canary")
     for name, (obj, cls) in objects.items():
-        if obj is None and name == "sample":
-            continue
         _expect(obj, cls, name)
         if obj.device != canary.device:
             raise ValueError(f"kvcanary: {name}: expected it on {canary.device} like the canary, got {obj.device}")
@@ -294,8 +292,8 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
 
 
 def _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample) -> "_Call":
-    device = _canary_device(canary, verify_plan=(verify_plan, VerifyPlan), log=(log, ViolationLog),
-                            sample=(sample, FingerprintSampler))
+    optional = {} if sample is None else {"sample": (sample, FingerprintSampler)}
+    device = _canary_device(canary, verify_plan=(verify_plan, VerifyPlan), log=(log, ViolationLog), **optional)
     srcs, mode = _sources(real_kv, real_kv_mode, device, canary.num_slots)
     return _Call(backend_for(device).verify, device, (canary, verify_plan),
                  dict(log=log, tag=int(tag), sources=srcs, mode=mode, check_tokens=bool(check_tokens),
