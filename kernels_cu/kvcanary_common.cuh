@@ -149,12 +149,14 @@ __device__ __forceinline__ i64 block_sum(i64 v, i64* scratch) {
 }
 
 // Last index i in [0, n) with a[i] <= x, or -1 (numpy searchsorted 'right' - 1
-// on a non-decreasing array). Used for batch rows, only where needed.
+// on a non-decreasing array). Used for batch rows, only where needed. kL2: read
+// through L2, for offsets another block of the same launch wrote.
+template <bool kL2 = false>
 __device__ __forceinline__ i64 row_of(const i64* a, i64 n, i64 x) {
     i64 lo = 0, hi = n;  // first index with a[i] > x lies in [lo, hi]
     while (lo < hi) {
         i64 mid = (lo + hi) >> 1;
-        if (a[mid] <= x) lo = mid + 1;
+        if ((kL2 ? __ldcg(a + mid) : a[mid]) <= x) lo = mid + 1;
         else hi = mid;
     }
     return lo - 1;

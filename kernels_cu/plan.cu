@@ -1,20 +1,30 @@
 // plan.cu: derive a step's verify entries and write metadata on the device.
 //
-// Two kernels, one argument list:
-//   plan_rows  one block per batch row (grid-stride): row validity (every slot
-//              the row reads must be readable), entry count, write length and
-//              chain seed; counts go into offsets[r + 1]; the last block to
-//              finish (ticket) turns them into exclusive prefix sums and writes
-//              the plan scalars, then resets the ticket to 0 for the next run.
-//   plan_fill  grid-stride over verify entries; each finds its row by binary
-//              search over the offsets and fills slot, prev slot, position and
-//              expected token.
+// One kernel, plan_step, in three phases joined by a small launch state:
+//   rows  blocks claim batch rows one at a time (an atomic counter): row
+//         validity (every slot the row reads must be readable), entry count,
+//         write length and chain seed; counts go into offsets[r + 1].
+//   scan  the block that finishes the last row turns the counts into
+//         exclusive prefix sums, writes the plan scalars and raises a flag.
+//   fill  every block waits for the flag, then each of its warps fills a
+//         contiguous run of verify entries: slot, prev slot, position,
+//         expected token.
+// No block waits on a block that is not running: a block reaches the wait only
+// after every row has been claimed, and the scanning block is one that holds a
+// row. So the grid may exceed what fits on the device, and another kernel
+// sharing the device cannot deadlock it. One launch instead of two saves a
+// launch's host cost and the gap between kernels.
+//
 // Row r reads positions [max(start - 1, 0), P): its window, the window head's
 // predecessor and (P > 0) the seed at P - 1, so one pass over that range
 // decides validity exactly as the reference does.
 #include "kvcanary_common.cuh"
 
 namespace kvc {
+
+// Rows phase: lookups per thread in flight (a block per row leaves few warps
+// per SM, so latency, not bandwidth, bounds it).
+inline constexpr int ROW_UNROLL = 8;
 
 // Bits of `widths`: which index inputs are int64 (else int32).
 inline constexpr int W_RPI = 0, W_PRE = 1, W_EXT = 2, W_TABLE = 3, W_LUT = 4, W_ETAB = 5, W_EVL = 6;
@@ -48,23 +58,38 @@ struct PlanArgs {
     i64* wp_num_rows;
     i64* wp_input_errors;
     i64 wp_max_batch;
-    i64* ticket;  // one int64, 0 between runs
+    i64* sync;  // [SYNC_WORDS] launch state, all 0 between launches
 };
 
-// T(table(rp, pos)): false when unreadable (negative table value, a slot that
-// wraps negative, a LUT index outside the LUT or a negative LUT value).
-__device__ __forceinline__ bool slot_at(const PlanArgs& a, i64 rp, i64 pos, i64& slot) {
-    i64 v = load_index(a.table, width_bit(a.widths, W_TABLE), rp * a.twidth + pos / a.page);
-    if (v < 0) return false;
-    i64 s = a.page == 1 ? v : (i64)((u64)v * (u64)a.page + (u64)(pos % a.page));
-    if (s < 0) return false;
+// The launch state of plan_step: rows handed out, rows finished, blocks exited,
+// and (a 128-byte line of its own, so that blocks polling it do not slow the
+// counters' atomics) the scan published (0 / 1). The last block out zeroes it.
+inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_SCANNED = 16;
+inline constexpr int SYNC_WORDS = 32;
+
+// Polling the flag backs off from KVC_POLL_MIN_NS to KVC_POLL_MAX_NS.
+#ifndef KVC_POLL_MIN_NS
+#define KVC_POLL_MIN_NS 64
+#endif
+#ifndef KVC_POLL_MAX_NS
+#define KVC_POLL_MAX_NS 1024
+#endif
+
+// T(table(rp, pos)), or -1 when unreadable: a negative table value, a slot
+// that wraps negative, a LUT index outside the LUT or a negative LUT value.
+__device__ __forceinline__ i64 slot_at(const PlanArgs& a, i64 rp, i64 pos) {
+    // page == 1 (a token-level table) skips the 64-bit division, dozens of instructions.
+    const bool tokens = a.page == 1;
+    i64 v = load_index(a.table, width_bit(a.widths, W_TABLE), rp * a.twidth + (tokens ? pos : pos / a.page));
+    if (v < 0) return -1;
+    i64 s = tokens ? v : (i64)((u64)v * (u64)a.page + (u64)(pos % a.page));
+    if (s < 0) return -1;
     if (a.lut_len >= 0) {
-        if (s >= a.lut_len) return false;
+        if (s >= a.lut_len) return -1;
         s = load_index(a.lut, width_bit(a.widths, W_LUT), s);
-        if (s < 0) return false;
+        if (s < 0) return -1;
     }
-    slot = s;
-    return true;
+    return s;
 }
 
 __device__ __forceinline__ i64 window_start(const PlanArgs& a, i64 P) {
@@ -109,53 +134,42 @@ __device__ i64 scan_counts(i64* a, i64 n, i64 tail_end, i64* sh) {
     return total;
 }
 
-__global__ void __launch_bounds__(256) plan_rows(PlanArgs a) {
-    __shared__ i64 sh[33];
-    __shared__ int s_last;
-    const bool w_rpi = width_bit(a.widths, W_RPI), w_pre = width_bit(a.widths, W_PRE),
-               w_ext = width_bit(a.widths, W_EXT);
+// Row r (thread 0 gets the results): validity, and the counts and seed it stores.
+__device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors) {
     const i64 width = a.twidth * a.page;
-    i64 errors = 0;  // thread 0
-    for (i64 r = blockIdx.x; r < a.bs; r += gridDim.x) {
-        i64 rp = load_index(a.rpi, w_rpi, r);
-        i64 P = load_index(a.pre, w_pre, r);
-        i64 E = load_index(a.ext, w_ext, r);
-        bool active = rp != PADDING_REQ;
-        bool ok = active && rp > 0 && rp < a.nreq && P >= 0 && E >= 0 && P <= width && E <= width - P;
-        if (a.erows >= 0) ok = ok && rp < a.erows;
-        i64 start = ok ? window_start(a, P) : 0;
-        bool bad = false;
-        if (ok) {
-            i64 lo = start > 0 ? start - 1 : 0;
-            for (i64 pos = lo + threadIdx.x; pos < P; pos += blockDim.x) {
-                i64 s;
-                if (!slot_at(a, rp, pos, s)) bad = true;
-            }
-        }
-        bad = __syncthreads_or(bad);
-        if (threadIdx.x == 0) {
-            bool valid = ok && !bad;
-            if (active && !valid) ++errors;
-            if (a.vp_offsets != nullptr) a.vp_offsets[r + 1] = valid ? P - start : 0;
-            if (a.wp_offsets != nullptr) {
-                a.wp_offsets[r + 1] = valid ? E : 0;
-                i64 seed = -1;
-                if (valid && P > 0 && E > 0) slot_at(a, rp, P - 1, seed);
-                a.wp_seeds[r] = seed;
+    i64 rp = load_index(a.rpi, width_bit(a.widths, W_RPI), r);
+    i64 P = load_index(a.pre, width_bit(a.widths, W_PRE), r);
+    i64 E = load_index(a.ext, width_bit(a.widths, W_EXT), r);
+    bool active = rp != PADDING_REQ;
+    bool ok = active && rp > 0 && rp < a.nreq && P >= 0 && E >= 0 && P <= width && E <= width - P;
+    if (a.erows >= 0) ok = ok && rp < a.erows;
+    i64 start = ok ? window_start(a, P) : 0;
+    bool bad = false;
+    if (ok) {
+        i64 lo = start > 0 ? start - 1 : 0;
+        const i64 step = (i64)blockDim.x * ROW_UNROLL;
+        for (i64 p0 = lo + threadIdx.x; p0 < P; p0 += step) {
+#pragma unroll
+            for (int j = 0; j < ROW_UNROLL; ++j) {
+                const i64 pos = p0 + (i64)j * blockDim.x;
+                if (pos < P && slot_at(a, rp, pos) < 0) bad = true;
             }
         }
     }
+    bad = __syncthreads_or(bad);
     if (threadIdx.x == 0) {
-        if (errors != 0) {
-            if (a.vp_input_errors != nullptr) atomicAdd((u64*)a.vp_input_errors, (u64)errors);
-            if (a.wp_input_errors != nullptr) atomicAdd((u64*)a.wp_input_errors, (u64)errors);
+        bool valid = ok && !bad;
+        if (active && !valid) ++errors;
+        if (a.vp_offsets != nullptr) a.vp_offsets[r + 1] = valid ? P - start : 0;
+        if (a.wp_offsets != nullptr) {
+            a.wp_offsets[r + 1] = valid ? E : 0;
+            a.wp_seeds[r] = valid && P > 0 && E > 0 ? slot_at(a, rp, P - 1) : -1;
         }
-        __threadfence();
-        s_last = atomicAdd((u64*)a.ticket, 1ULL) == (u64)(gridDim.x - 1);
     }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
+}
+
+// The counts of every row are in: prefix sums and plan scalars. One block.
+__device__ void plan_scan(const PlanArgs& a, i64* sh) {
     if (a.vp_offsets != nullptr) {
         i64 total = scan_counts(a.vp_offsets, a.bs, a.vp_max_batch, sh);
         if (threadIdx.x == 0) {
@@ -169,23 +183,56 @@ __global__ void __launch_bounds__(256) plan_rows(PlanArgs a) {
         for (i64 i = a.bs + threadIdx.x; i < a.wp_max_batch; i += blockDim.x) a.wp_seeds[i] = -1;
         if (threadIdx.x == 0) *a.wp_num_rows = a.bs;
     }
-    if (threadIdx.x == 0) *a.ticket = 0;
 }
 
-__global__ void __launch_bounds__(256) plan_fill(PlanArgs a) {
-    if (a.vp_offsets == nullptr || *a.vp_enable != 1) return;
-    const i64 n = *a.vp_num_valid;
+// The verify entries, each warp a contiguous run of them, 32 at a time. Offsets
+// and plan scalars are read through L2 (__ldcg): another block of this launch
+// wrote them. A warp's entries span few rows, so the warp keeps its current row
+// and that row's bounds in registers and searches the offsets only when a lane
+// lies past the row's end.
+__device__ void plan_fill(const PlanArgs& a) {
+    if (__ldcg(a.vp_enable) != 1) return;
+    const i64 n = __ldcg(a.vp_num_valid);
+    const i64* off = a.vp_offsets;
     const bool w_rpi = width_bit(a.widths, W_RPI), w_pre = width_bit(a.widths, W_PRE);
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
-        i64 r = row_of(a.vp_offsets, a.bs + 1, e);
-        if (r < 0 || r >= a.bs) continue;  // cannot happen with the offsets plan_rows wrote
-        i64 rp = load_index(a.rpi, w_rpi, r);
-        i64 P = load_index(a.pre, w_pre, r);
-        i64 pos = window_start(a, P) + (e - a.vp_offsets[r]);
-        i64 slot = -1, prev = -1;
-        slot_at(a, rp, pos, slot);
-        if (pos > 0) slot_at(a, rp, pos - 1, prev);
+    const unsigned lane = lane_id();
+    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    const i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const i64 per_warp = ((n + warps - 1) / warps + 31) & ~(i64)31;
+    const i64 first = warp * per_warp;
+    const i64 last = first + per_warp < n ? first + per_warp : n;
+    if (first >= last) return;
+    i64 row = row_of<true>(off, a.bs + 1, first);  // the same in every lane
+    i64 row_lo = __ldcg(off + row), row_hi = __ldcg(off + row + 1);
+    i64 row_rp = load_index(a.rpi, w_rpi, row);
+    i64 row_start = window_start(a, load_index(a.pre, w_pre, row));
+    for (i64 base = first; base < last; base += 32) {
+        const i64 e = base + lane;
+        const bool act = e < last;
+        i64 r = row, rp = row_rp, pos = row_start + (e - row_lo), slot = -1;
+        if (act && e >= row_hi) {  // a later row: rare, and only past a row boundary
+            r = row + 1 + row_of<true>(off + row + 1, a.bs - row, e);
+            rp = load_index(a.rpi, w_rpi, r);
+            pos = window_start(a, load_index(a.pre, w_pre, r)) + (e - __ldcg(off + r));
+        }
+        if (act) slot = slot_at(a, rp, pos);
+        // The slot at pos - 1 is, but for a row's first entry, the lane below's slot.
+        const i64 below_rp = __shfl_up_sync(FULL_MASK, act ? rp : -1, 1);
+        const i64 below_pos = __shfl_up_sync(FULL_MASK, pos, 1);
+        const i64 below_slot = __shfl_up_sync(FULL_MASK, slot, 1);
+        // The row of the warp's last active lane carries over to the next 32 entries.
+        const i64 next_row = __shfl_sync(FULL_MASK, r, (int)(last - base < 32 ? last - base - 1 : 31));
+        if (next_row != row) {
+            row = next_row;
+            row_lo = __ldcg(off + row);
+            row_hi = __ldcg(off + row + 1);
+            row_rp = load_index(a.rpi, w_rpi, row);
+            row_start = window_start(a, load_index(a.pre, w_pre, row));
+        }
+        if (!act) continue;
+        i64 prev = -1;
+        if (lane > 0 && below_rp == rp && below_pos == pos - 1) prev = below_slot;
+        else if (pos > 0) prev = slot_at(a, rp, pos - 1);
         i64 tok = -1;
         if (a.erows >= 0) {
             i64 k = pos + a.eoffset;
@@ -197,6 +244,69 @@ __global__ void __launch_bounds__(256) plan_fill(PlanArgs a) {
         a.vp_prev[e] = prev;
         a.vp_epos[e] = pos;
         a.vp_etok[e] = tok;
+    }
+}
+
+// The whole plan in one launch (see the top of the file for the phases).
+__global__ void __launch_bounds__(256) plan_step(PlanArgs a) {
+    __shared__ i64 sh[33];
+    __shared__ i64 s_row;
+    __shared__ int s_scan;
+    i64* sync = a.sync;
+    i64 errors = 0;       // thread 0
+    bool scanner = false;  // thread 0
+    for (;;) {
+        if (threadIdx.x == 0) s_row = (i64)atomicAdd((u64*)(sync + SYNC_ROWS_CLAIMED), 1ULL);
+        __syncthreads();
+        const i64 r = s_row;
+        __syncthreads();  // every thread has r before thread 0 claims again
+        if (r >= a.bs) break;
+        plan_row(a, r, errors);
+        if (threadIdx.x == 0) {
+            __threadfence();  // the row's counts before its completion
+            scanner |= atomicAdd((u64*)(sync + SYNC_ROWS_DONE), 1ULL) == (u64)(a.bs - 1);
+        }
+    }
+    if (threadIdx.x == 0) {
+        if (errors != 0) {
+            if (a.vp_input_errors != nullptr) atomicAdd((u64*)a.vp_input_errors, (u64)errors);
+            if (a.wp_input_errors != nullptr) atomicAdd((u64*)a.wp_input_errors, (u64)errors);
+        }
+        s_scan = scanner || (a.bs == 0 && blockIdx.x == 0);
+    }
+    __syncthreads();
+    if (s_scan) {
+        __threadfence();
+        plan_scan(a, sh);
+        __threadfence();  // every thread's offsets before the flag
+        __syncthreads();
+        if (threadIdx.x == 0) atomicExch((u64*)(sync + SYNC_SCANNED), 1ULL);
+    }
+    if (a.vp_offsets != nullptr) {
+        // Waits only on the scanning block, which is running: every row has been
+        // claimed by a running block before any block gets here.
+        // A plain (volatile) load, not an atomic: polling must not slow the atomics.
+        if (threadIdx.x == 0) {
+            unsigned ns = KVC_POLL_MIN_NS;
+            while (*(volatile i64*)(sync + SYNC_SCANNED) == 0) {
+                __nanosleep(ns);
+                ns = ns < KVC_POLL_MAX_NS / 2 ? 2 * ns : KVC_POLL_MAX_NS;
+            }
+        }
+        __syncthreads();
+        __threadfence();
+        plan_fill(a);
+    }
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd((u64*)(sync + SYNC_EXITED), 1ULL) == (u64)(gridDim.x - 1)) {
+            // The last block out: no block reads the state any more; ready the next launch.
+            sync[SYNC_ROWS_CLAIMED] = 0;
+            sync[SYNC_ROWS_DONE] = 0;
+            sync[SYNC_SCANNED] = 0;
+            sync[SYNC_EXITED] = 0;
+            __threadfence();
+        }
     }
 }
 

@@ -79,6 +79,11 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
         const bool oor = live && (slot < 0 || slot >= N || prev < -1 || prev >= N);
         const bool chk = live && !oor;
         const bool fp_sel = chk && (phase < 0 || pmod(slot, a.period) == phase);
+        // Entries of a row are consecutive, so the predecessor is mostly the slot of
+        // entry e - 1, whose record the lead lane g below loads anyway: its link comes
+        // over a shuffle, and only a row's first entry in a warp gathers a second record.
+        const i64 below = __shfl_up_sync(FULL_MASK, chk ? slot : -1, g);
+        const bool prev_below = lane >= (unsigned)g && prev > 0 && below == prev;
         // Issue the record loads before the fingerprint's, so their latencies overlap.
         Record r = {}, pr = {};
         i64 etok = -1, epos = -1;
@@ -88,8 +93,9 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
         }
         if (lead && chk) {
             r = load_record(a.records, slot);
-            if (prev > 0) pr = load_record(a.records, prev);
+            if (prev > 0 && !prev_below) pr = load_record(a.records, prev);
         }
+        const u64 link_below = __shfl_up_sync(FULL_MASK, next_link(r), g);
         u64 fp = 0;
         if (kFp) fp = fingerprint(a.folds, a.num_folds, slot, fp_sel, g);
 
@@ -101,7 +107,9 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
             if (oor) {
                 bits = FAIL_SLOT_OUT_OF_RANGE;
             } else {
-                elink = prev == -1 ? ANCHOR_HASH : (prev == 0 ? r.link : next_link(pr));
+                if (prev == -1) elink = ANCHOR_HASH;
+                else if (prev == 0) elink = r.link;  // a padding predecessor: the chain is not checked
+                else elink = prev_below ? link_below : next_link(pr);
                 if (r.link != elink) bits |= FAIL_CHAIN;
                 if (r.position != epos) bits |= FAIL_POSITION;
                 if (a.check_tokens != 0 && etok != -1 && r.token != etok) bits |= FAIL_TOKEN;

@@ -55,7 +55,7 @@ class _Call:
     imported), and only then may it be replayed for the same arguments.
     """
 
-    __slots__ = ("launch", "device", "foreign", "native")
+    __slots__ = ("launch", "device", "foreign", "native", "stream", "stream_ptr")
 
     def __init__(self, fn, device, args, kwargs, given=(), views=()):
         self.device = device
@@ -64,38 +64,60 @@ class _Call:
         # A backend may pack the call once (bind_<op>); else the call is made in full each time.
         bind = getattr(sys.modules[fn.__module__], "bind_" + fn.__name__, None)
         self.launch = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)
+        # The last stream object given and its handle: a stream's handle never changes, and
+        # holding the object keeps the handle from being reused by another stream.
+        self.stream = self.stream_ptr = None
 
     def run(self, stream) -> None:
+        if stream is not None and stream is self.stream:
+            self.launch(stream=self.stream_ptr)
+            return
         s = None if self.device == "cpu" else arrays.resolve_stream(stream, self.foreign)
+        if stream is not None:
+            self.stream, self.stream_ptr = stream, s
         self.launch(stream=s)
 
 
-class _LastCall:
-    """An op's last native call. A step that passes the very same objects again (bound
-    buffers, long-lived plans) skips validation and import: the shape, dtype and device
-    of a NumPy / CuPy array cannot change, and nothing here reads array data."""
+class _RecentCalls:
+    """An op's recent native calls, found again by the identity of their arguments.
 
-    __slots__ = ("key", "call")
+    A step that passes the very same objects again (bound buffers, long-lived plans,
+    one input set per captured batch size) skips validation and import: the shape,
+    dtype and device of a NumPy / CuPy array cannot change, and nothing here reads
+    array data. A key holds ``id()`` of each object argument and the value of each
+    scalar one; the entry keeps the objects themselves, so none of those ids can be
+    reused by another object while it is here. The oldest entry goes when it is full.
+    """
+
+    CAPACITY = 32
+    __slots__ = ("calls",)
 
     def __init__(self):
-        self.key = self.call = None
+        self.calls: dict = {}
 
     def get(self, key) -> _Call | None:
-        k = self.key
-        if k is None or len(k) != len(key):
-            return None
-        for a, b in zip(k, key):
-            if a is not b and not (isinstance(a, int) and isinstance(b, int) and a == b):
-                return None
-        return self.call
+        hit = self.calls.get(key)
+        return None if hit is None else hit[1]
 
-    def put(self, key, call: _Call) -> _Call:
+    def put(self, key, objects, call: _Call) -> _Call:
         if call.native:
-            self.key, self.call = key, call
+            if len(self.calls) >= self.CAPACITY:
+                del self.calls[next(iter(self.calls))]
+            self.calls[key] = (objects, call)
         return call
 
 
-_PLAN, _WRITE, _VERIFY, _SCATTER = _LastCall(), _LastCall(), _LastCall(), _LastCall()
+def _scalar(x):
+    """A scalar argument's part of a memo key: itself (equal values hit the same entry),
+    or its id when it cannot be hashed (then the op rejects it and nothing is kept)."""
+    try:
+        hash(x)
+    except TypeError:
+        return id(x)
+    return x
+
+
+_PLAN, _WRITE, _VERIFY, _SCATTER = _RecentCalls(), _RecentCalls(), _RecentCalls(), _RecentCalls()
 
 
 def _no_extra(op: str, extra: dict) -> None:
@@ -163,9 +185,10 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
     """
     if extra:
         _no_extra("plan", extra)
-    key = (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
-           page_size, swa, expected)
-    (_PLAN.get(key) or _PLAN.put(key, _prepare_plan(*key))).run(stream)
+    objs = (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
+            page_size, swa, expected)
+    key = (*map(id, objs[:7]), _scalar(page_size), id(swa), id(expected))
+    (_PLAN.get(key) or _PLAN.put(key, objs, _prepare_plan(*objs))).run(stream)
 
 
 def _prepare_plan(verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token,
@@ -237,10 +260,13 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
     """
     if extra:
         _no_extra("write", extra)
-    key = (canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv_mode, expected_inputs,
-           *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
-    (_WRITE.get(key) or _WRITE.put(key, _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log,
-                                                       tag, real_kv, real_kv_mode, expected_inputs))).run(stream)
+    srcs = tuple(real_kv) if isinstance(real_kv, (tuple, list)) else (real_kv,)
+    exp = tuple(expected_inputs) if isinstance(expected_inputs, (tuple, list)) else (expected_inputs,)
+    objs = (canary, write_plan, input_ids, positions, out_cache_loc, log, *exp, *srcs)
+    key = (*map(id, objs), _scalar(tag), _scalar(real_kv_mode), len(exp))
+    (_WRITE.get(key) or _WRITE.put(key, objs, _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc,
+                                                             log, tag, real_kv, real_kv_mode, expected_inputs))
+     ).run(stream)
 
 
 def _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode,
@@ -285,10 +311,11 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
     """
     if extra:
         _no_extra("verify", extra)
-    key = (canary, verify_plan, log, tag, real_kv_mode, check_tokens, sample,
-           *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
-    (_VERIFY.get(key) or _VERIFY.put(key, _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode,
-                                                          check_tokens, sample))).run(stream)
+    objs = (canary, verify_plan, log, sample,
+            *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
+    key = (*map(id, objs), _scalar(tag), _scalar(real_kv_mode), _scalar(check_tokens))
+    (_VERIFY.get(key) or _VERIFY.put(key, objs, _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode,
+                                                                check_tokens, sample))).run(stream)
 
 
 def _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample) -> "_Call":
@@ -313,8 +340,9 @@ def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=
     """
     if extra:
         _no_extra("scatter_expected_tokens", extra)
-    key = (table, tokens, offsets, req_pool_indices)
-    (_SCATTER.get(key) or _SCATTER.put(key, _prepare_scatter(*key))).run(stream)
+    objs = (table, tokens, offsets, req_pool_indices)
+    key = tuple(map(id, objs))
+    (_SCATTER.get(key) or _SCATTER.put(key, objs, _prepare_scatter(*objs))).run(stream)
 
 
 def _prepare_scatter(table, tokens, offsets, req_pool_indices) -> "_Call":

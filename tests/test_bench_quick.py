@@ -261,7 +261,7 @@ def test_json_is_strict(tmp_path):
 
 
 class _FakeCupy:
-    """Just enough of CuPy for CudaTimer: events stamp a shared clock, memsets are logged."""
+    """Just enough of CuPy for CudaTimer: events stamp a shared clock, scratch reads are logged."""
 
     def __init__(self):
         self.clock = 0.0
@@ -273,15 +273,15 @@ class _FakeCupy:
                 fake.log.append(("record", stream))
                 self.t = fake.clock
 
-        class Ptr:
-            def memset_async(self, value, size, stream):
-                fake.log.append(("flush", size))
-
         class Scratch:
-            data = Ptr()
+            def __init__(self, n):
+                self.n = n
 
-        self.uint8 = np.uint8
-        self.empty = lambda n, dtype: Scratch()
+            def sum(self):
+                fake.log.append(("flush", self.n * 8))
+
+        self.int64 = np.int64
+        self.ones = lambda n, dtype: Scratch(n)
         self.cuda = type("cuda", (), {"Event": Event,
                                       "get_elapsed_time": staticmethod(lambda a, b: b.t - a.t)})
 
@@ -303,6 +303,7 @@ def test_cuda_timer_brackets_each_run_and_flushes_between_runs():
     assert t.device_us == pytest.approx(2.0)
     kinds = [k for k, _ in cp.log]
     assert kinds == ["flush", "record", "record"] * 7  # the flush lies outside each bracketed run
+    assert {size for k, size in cp.log if k == "flush"} == {1 << 20}
     slow = CudaTimer(cp, stream, flush_bytes=0).device(lambda i: time.sleep(0.002), runs=50, warmup=3,
                                                        budget_s=0.001)
     assert slow.runs == 3  # over budget: the fewest runs allowed

@@ -72,7 +72,8 @@ def test_backend_uses_only_listed_names():
     """Every kernel name the backend launches is a name expression of its module."""
     text = open(cuda_backend.__file__).read()
     used = set(re.findall(r'"(kvc::[^"]+)"', text))
-    listed = {ne for m in cuda_sources.MODULES.values() for ne in m.name_expressions}
+    listed = {ne for f, m in cuda_sources.MODULES.items() if f not in cuda_sources.BENCH_ONLY
+              for ne in m.name_expressions}
     assert used == listed, f"launched but not listed: {used - listed}; listed but never launched: {listed - used}"
 
 
@@ -130,3 +131,10 @@ def test_kernels_dir_found_from_checkout():
     d = cuda_sources.kernels_dir()
     for m in cuda_sources.MODULES.values():
         assert (d / m.file).is_file()
+
+
+def test_plan_launch_state_size_matches_backend():
+    """The backend allocates plan.cu's SYNC_WORDS words of launch state per plan."""
+    text = (cuda_sources.kernels_dir() / "plan.cu").read_text()
+    (words,) = re.findall(r"^inline constexpr int SYNC_WORDS = (\d+);", text, re.M)
+    assert int(words) == cuda_backend.PLAN_SYNC_WORDS

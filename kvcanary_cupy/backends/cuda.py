@@ -13,10 +13,10 @@ from per-step inputs (pointers, lengths, widths). The driver copies the
 arguments at launch, so the buffer may be patched again right after.
 
 Graphs. Grids derive from shapes only (capacity, max_batch, batch size, input
-lengths, SM count), never from data, and nothing here allocates, synchronizes
-or reads the device on the hot path. First calls do a little once: the first
-plan on a device allocates a chunk of tickets (one word per plan, zeroed on the
-op's stream); the first call with a new set of real-KV sources uploads their
+lengths, resident blocks), never from data, and nothing here allocates,
+synchronizes or reads the device on the hot path. First calls do a little once:
+the first plan on a device allocates a chunk of launch states (256 bytes per
+plan, zeroed on the op's stream); the first call with a new set of real-KV sources uploads their
 fold descriptors; the first launch of a kernel family compiles (or loads from
 CuPy's cache) its module. Make those first calls before a graph capture.
 """
@@ -41,7 +41,7 @@ PLAN_FIELDS = (
     "swa_size", "erows", "ewidth", "eoffset",
     "vp_slot", "vp_prev", "vp_epos", "vp_etok", "vp_offsets", "vp_num_valid", "vp_enable", "vp_requested",
     "vp_input_errors", "vp_capacity", "vp_max_batch",
-    "wp_offsets", "wp_seeds", "wp_num_rows", "wp_input_errors", "wp_max_batch", "ticket",
+    "wp_offsets", "wp_seeds", "wp_num_rows", "wp_input_errors", "wp_max_batch", "sync",
 )
 PLAN_STEP_FIELDS = 17  # the leading fields come from the step's inputs
 WRITE_FIELDS = (
@@ -86,12 +86,14 @@ class _CupyRuntime:
         from cupy_backends.cuda.api import driver, runtime  # noqa: PLC0415
 
         self.cp = cupy
+        self._driver = driver
         self.launch_kernel = driver.launchKernel
         self.current_device = runtime.getDevice
         self._runtime = runtime
         self._modules: dict[str, object] = {}
         self._functions: dict[tuple[str, int], object] = {}
         self._sms: dict[int, int] = {}
+        self._resident: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def function(self, family: str, name: str, dev: int) -> int:
@@ -107,6 +109,19 @@ class _CupyRuntime:
                 f = mod.get_function(name).kernel  # compiles / loads for this device
                 self._functions[(name, dev)] = f
         return f.ptr
+
+    def resident_blocks(self, fn: int, dev: int) -> int:
+        """Blocks of BLOCK threads of kernel ``fn`` that fit on the device at once: the
+        grid of a grid-stride kernel, so no block waits for a second wave (the compiler's
+        register use, not __launch_bounds__, decides how many fit)."""
+        n = self._resident.get(fn)
+        if n is None:
+            try:
+                per_sm = int(self._driver.occupancyMaxActiveBlocksPerMultiprocessor(fn, BLOCK, 0))
+            except Exception:  # noqa: BLE001  (a CuPy without the occupancy call: assume full residency)
+                per_sm = BLOCKS_PER_SM
+            n = self._resident[fn] = max(1, per_sm) * self.sm_count(dev)
+        return n
 
     def sm_count(self, dev: int) -> int:
         n = self._sms.get(dev)
@@ -202,8 +217,9 @@ def _aligned16(a, name: str) -> int:
     return p
 
 
-def _blocks(threads: int, sms: int) -> int:
-    return max(1, min(-(-threads // BLOCK), sms * BLOCKS_PER_SM))
+def _blocks(threads: int, resident: int) -> int:
+    """Grid of a grid-stride kernel: enough blocks for ``threads``, at most one full wave."""
+    return max(1, min(-(-threads // BLOCK), resident))
 
 
 # Prepared launches live as long as the object whose buffers they point at (the canary,
@@ -239,24 +255,25 @@ def _fold_table(sources, mode, dev: int, stream: int):
 
 
 # --- plan --------------------------------------------------------------------
-_tickets: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # plan -> (chunk array, index)
-_ticket_chunks: dict = {}  # device -> [chunk array, next free index]
-_TICKETS_PER_CHUNK = 1024
+PLAN_SYNC_WORDS = 32  # plan.cu SYNC_WORDS: plan_step's launch state (256 bytes)
+_sync_states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # plan -> (chunk array, index)
+_sync_chunks: dict = {}  # device -> [chunk array, next free index]
+_STATES_PER_CHUNK = 256
 
 
-def _ticket(owner, dev: int, stream: int) -> int:
-    """The address of the plan's one-word completion ticket. Tickets come from a
-    per-device chunk allocated once per 1024 plans; a new ticket is zeroed on the
-    op's stream, so it is 0 when the plan's first kernel runs (and stays 0: the
-    last block resets it)."""
-    t = _tickets.get(owner)
+def _sync_state(owner, dev: int, stream: int) -> int:
+    """The address of the plan's launch state (PLAN_SYNC_WORDS int64). States come
+    from a per-device chunk allocated once per 256 plans; a new state is zeroed on
+    the op's stream, so it is 0 when the plan's first launch runs (and stays 0
+    between launches: the last block out resets it)."""
+    t = _sync_states.get(owner)
     if t is None:
-        chunk = _ticket_chunks.get(dev)
-        if chunk is None or chunk[1] == _TICKETS_PER_CHUNK:
-            chunk = _ticket_chunks[dev] = [_runtime().empty_i64(_TICKETS_PER_CHUNK, dev), 0]
-        t = _tickets[owner] = (chunk[0], chunk[1])
+        chunk = _sync_chunks.get(dev)
+        if chunk is None or chunk[1] == _STATES_PER_CHUNK:
+            chunk = _sync_chunks[dev] = [_runtime().empty_i64(_STATES_PER_CHUNK * PLAN_SYNC_WORDS, dev), 0]
+        t = _sync_states[owner] = (chunk[0], chunk[1] * PLAN_SYNC_WORDS)
         chunk[1] += 1
-        _runtime().zero_async(_ptr(t[0]) + 8 * t[1], 8, stream)
+        _runtime().zero_async(_ptr(t[0]) + 8 * t[1], 8 * PLAN_SYNC_WORDS, stream)
     return _ptr(t[0]) + 8 * t[1]
 
 
@@ -268,7 +285,7 @@ def _plan_launch(vp, wp, stream: int) -> _Launch:
 def _make_plan_launch(vp, wp, owner, stream: int) -> _Launch:
     rt = _runtime()
     dev = _dev(owner.offsets)
-    v = {"ticket": _ticket(owner, dev, stream)}
+    v = {"sync": _sync_state(owner, dev, stream)}
     if vp is not None:
         v.update(vp_slot=_ptr(vp.slot_indices), vp_prev=_ptr(vp.prev_slot_indices),
                  vp_epos=_ptr(vp.expected_positions), vp_etok=_ptr(vp.expected_tokens),
@@ -278,11 +295,9 @@ def _make_plan_launch(vp, wp, owner, stream: int) -> _Launch:
     if wp is not None:
         v.update(wp_offsets=_ptr(wp.offsets), wp_seeds=_ptr(wp.seed_slots), wp_num_rows=_ptr(wp.num_rows),
                  wp_input_errors=_ptr(wp.input_errors), wp_max_batch=wp.max_batch)
-    fns = [rt.function("plan", "kvc::plan_rows", dev)]
-    if vp is not None:
-        fns.append(rt.function("plan", "kvc::plan_fill", dev))
-    L = _Launch(PLAN_FIELDS, fns, dev, v)
-    L.grids = (rt.sm_count(dev), vp.capacity if vp is not None else 0)
+    fn = rt.function("plan", "kvc::plan_step", dev)
+    L = _Launch(PLAN_FIELDS, [fn], dev, v)
+    L.grids = (rt.resident_blocks(fn, dev), vp.capacity if vp is not None else 0)
     return L
 
 
@@ -313,8 +328,8 @@ def bind_plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page
             stream = _runtime().default_stream()
         if not bound:
             L = _plan_launch(vp, wp, stream)
-            sms, cap = L.grids
-            bound[:] = [L, (max(1, min(bs, sms * BLOCKS_PER_SM)), _blocks(cap, sms))]
+            resident, cap = L.grids  # a block per batch row, a thread per entry, one wave at most
+            bound[:] = [L, (_blocks(max(bs * BLOCK, cap), resident),)]
         bound[0].run_step(0, step, bound[1], stream)
 
     return run
@@ -331,14 +346,15 @@ def _make_write_launch(canary, wp, log, tag, sources, mode, stream: int) -> _Lau
     dev = _dev(canary.records)
     folds, nf = _fold_table(sources, mode, dev, stream)
     name = "kvc::write_tokens<true>" if nf else "kvc::write_tokens<false>"
-    L = _Launch(WRITE_FIELDS, [rt.function("write", name, dev)], dev, dict(
+    fn = rt.function("write", name, dev)
+    L = _Launch(WRITE_FIELDS, [fn], dev, dict(
         records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
         offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
         position_check=_ptr(wp.position_check), max_batch=wp.max_batch,
         ring=_aligned16(log.ring, "log.ring"), head=_ptr(log.head), ring_capacity=log.capacity,
         counters=_ptr(log.counter_array), tag=_i64(tag), folds=_ptr(folds) if nf else 0, num_folds=nf),
         keep=folds)
-    L.grids = (rt.sm_count(dev), wp.max_batch * 32, min(nf, 32))
+    L.grids = (rt.resident_blocks(fn, dev), wp.max_batch * 32, min(nf, 32))
     return L
 
 
@@ -365,8 +381,8 @@ def bind_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sou
         if not bound:
             L = _cached(canary, (wp, log, sources, mode, tag),
                         lambda: _make_write_launch(canary, wp, log, tag, sources, mode, stream))
-            sms, row_threads, lanes = L.grids
-            bound[:] = [L, (_blocks(max(row_threads, avail * lanes), sms),)]
+            resident, row_threads, lanes = L.grids
+            bound[:] = [L, (_blocks(max(row_threads, avail * lanes), resident),)]
         bound[0].run_step(_W0, step, bound[1], stream)
 
     return run
@@ -383,7 +399,8 @@ def _make_verify_launch(canary, vp, log, tag, sources, mode, check_tokens, sampl
     dev = _dev(canary.records)
     folds, nf = _fold_table(sources, mode, dev, stream)
     name = "kvc::verify_entries<true>" if nf else "kvc::verify_entries<false>"
-    L = _Launch(VERIFY_FIELDS, [rt.function("verify", name, dev)], dev, dict(
+    fn = rt.function("verify", name, dev)
+    L = _Launch(VERIFY_FIELDS, [fn], dev, dict(
         records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
         slot_indices=_ptr(vp.slot_indices), prev_slot_indices=_ptr(vp.prev_slot_indices),
         expected_positions=_ptr(vp.expected_positions), expected_tokens=_ptr(vp.expected_tokens),
@@ -393,7 +410,7 @@ def _make_verify_launch(canary, vp, log, tag, sources, mode, check_tokens, sampl
         check_tokens=1 if check_tokens else 0, folds=_ptr(folds) if nf else 0, num_folds=nf,
         sample_state=_ptr(sample.state) if sample is not None else 0,
         period=sample.period if sample is not None else 1), keep=folds)
-    L.grids = (_blocks(vp.capacity * (min(nf, 32) if nf else 1), rt.sm_count(dev)),)
+    L.grids = (_blocks(vp.capacity * (min(nf, 32) if nf else 1), rt.resident_blocks(fn, dev)),)
     return L
 
 
@@ -459,8 +476,9 @@ def fingerprints(sources, mode, slots):
     slots64 = slots.astype(np.int64, copy=False)
     vals = np.array([_ptr(folds), nf, _ptr(slots64), n, _ptr(out)], dtype=np.int64)
     params = np.array([vals.ctypes.data + 8 * i for i in range(5)], dtype=np.uint64)
-    grid = _blocks(n * min(nf, 32), rt.sm_count(dev))
+    fn = rt.function("verify", "kvc::fingerprint_slots", dev)
+    grid = _blocks(n * min(nf, 32), rt.resident_blocks(fn, dev))
     with rt.device(dev):
-        rt.launch_kernel(rt.function("verify", "kvc::fingerprint_slots", dev), grid, 1, 1, BLOCK, 1, 1, 0, stream,
+        rt.launch_kernel(fn, grid, 1, 1, BLOCK, 1, 1, 0, stream,
                          int(params.ctypes.data), 0)
     return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 TEN_MILLION = 10_000_000
 MB = 1 << 20
 GIB = 1 << 30
+MILLION_ENTRIES = 1 << 20  # the decode b256 p4096 step
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class Suite:
     op_budget_s: float = 10.0
     soft_deadline_s: float = 390.0  # past this, the baseline is skipped
     hard_deadline_s: float = 450.0  # past this, remaining cases are skipped
+    gather_probes: tuple = ()  # (entries, pool slots, bytes per slot) for the gather probe
     notes: tuple = field(default_factory=tuple)
 
     def pool(self, name: str) -> Pool:
@@ -147,6 +149,8 @@ def full_suite(runs: int = 50) -> Suite:
     return Suite(name="full", pools=pools, cases=tuple(cases), copy_bytes=GIB,
                  host_case=_decode(64, 512, pool="host"),
                  host_calls=2000, runs=runs,
+                 gather_probes=((MILLION_ENTRIES, TEN_MILLION, 32), (4 * MILLION_ENTRIES, TEN_MILLION, 32),
+                                (MILLION_ENTRIES, 2_000_000, 256)),
                  notes=("slots are distinct within a case and drawn from at least 10M; the 16M-entry decode case "
                         "needs a 21M-slot pool to keep them distinct",
                         "the 32-layer real-KV pool holds about 2.6M slots (32 x 256 B each, 21 GB): 32 layers over "
@@ -167,7 +171,7 @@ def quick_suite(runs: int = 5) -> Suite:
     pools = (Pool("main", 50_000), Pool("kv1", 50_000, kv_layers=1), Pool("kv32", 20_000, kv_layers=4))
     return Suite(name="quick", pools=pools, cases=tuple(cases), copy_bytes=64 * MB,
                  host_case=_decode(8, 128, pool="host"),
-                 host_calls=100, runs=runs, max_sets=2, baseline_budget_s=2.0, op_budget_s=5.0,
+                 host_calls=100, runs=runs, max_sets=2, gather_probes=((4096, 50_000, 32),), baseline_budget_s=2.0, op_budget_s=5.0,
                  soft_deadline_s=1e9, hard_deadline_s=1e9)
 
 

@@ -12,14 +12,10 @@ import time
 
 import numpy as np
 
+from ..backends import cuda_sources
 from .timing import CudaTimer, TorchTimer, WallTimer
 
-_EMPTY_KERNEL = r'''
-extern "C" __global__ void kvc_bench_empty() {}
-extern "C" __global__ void kvc_bench_empty_args(const long long* a, const long long* b, const long long* c,
-                                                long long* d, long long* e, long long n, long long m, int k) {}
-'''
-
+GATHER_INDEX_BYTES = 8  # bench_gather reads one int64 index per element
 
 class CudaPlatform:
     """The current CUDA device; every kvcanary op runs on one non-blocking CuPy stream.
@@ -119,10 +115,8 @@ class CudaPlatform:
     def bare_launchers(self) -> dict:
         """Zero-argument callables launching an empty RawKernel (no args / 8 args) on the stream."""
         cp = self.cp
-        if self._module is None:
-            self._module = cp.RawModule(code=_EMPTY_KERNEL)
-        k0 = self._module.get_function("kvc_bench_empty")
-        k8 = self._module.get_function("kvc_bench_empty_args")
+        k0 = self._probe("kvc::bench_empty")
+        k8 = self._probe("kvc::bench_empty_args")
         a = cp.zeros(8, dtype=cp.int64)
         args8 = (a, a, a, a, a, np.int64(8), np.int64(9), np.int32(1))
         grid, block = (1,), (32,)
@@ -134,6 +128,41 @@ class CudaPlatform:
             k8(grid, block, args8)
 
         return {"bare": bare, "bare_args": bare_args, "_keep": a}
+
+    def _probe(self, name: str):
+        if self._module is None:
+            spec = cuda_sources.MODULES["bench_probes"]
+            self._module = self.cp.RawModule(code=cuda_sources.source("bench_probes"), options=spec.options,
+                                             name_expressions=spec.name_expressions)
+        return self._module.get_function(name)
+
+    def gather_probe(self, *, n: int, pool_slots: int, slot_bytes: int, runs: int) -> list[dict]:
+        """The fastest read of ``slot_bytes`` at each of ``n`` slots of a ``pool_slots`` pool:
+        slots drawn at random, then the same slots sorted. Bytes = indices + slot bytes."""
+        cp = self.cp
+        words = slot_bytes // 16
+        pool = cp.empty(pool_slots * words * 2, dtype=cp.uint64)
+        pool.data.memset_async(0x3C, pool.nbytes, self.stream)
+        rng = cp.random.default_rng(7)
+        idx = rng.integers(1, pool_slots, size=n, dtype=cp.int64)
+        sink = cp.zeros(1, dtype=cp.uint64)
+        k = self._probe("kvc::bench_gather")
+        dev = cp.cuda.Device(self.device_id)
+        try:
+            per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, 256, 0)
+        except AttributeError:  # a CuPy without the occupancy call
+            per_sm = 8
+        grid = max(1, min(-(-n // 256), per_sm * dev.attributes["MultiProcessorCount"]))
+        out = []
+        for order, ix in (("random", idx), ("sorted", cp.sort(idx))):
+            args = (pool, ix, np.int64(n), np.int64(words), sink)
+            t = self.timer.device(lambda _i: k((grid,), (256,), args), runs=max(runs, 1), warmup=3, flush=True)
+            moved = n * (GATHER_INDEX_BYTES + slot_bytes)
+            out.append({"entries": n, "pool_slots": pool_slots, "slot_bytes": slot_bytes, "order": order,
+                        "bytes": moved, "time_us": t.device_us, "runs": t.runs,
+                        "bandwidth_bytes_per_s": moved / (t.device_us * 1e-6)})
+        del pool, idx
+        return out
 
     def capture(self, fn):
         """Capture ``fn()`` (ops on this platform's stream) into a CUDA graph; returns ``launch()``."""
@@ -201,6 +230,19 @@ class CpuPlatform:
         moved = 2 * nbytes
         return {"buffer_bytes": nbytes, "bytes_moved": moved, "time_us": t.device_us, "runs": t.runs,
                 "bandwidth_bytes_per_s": moved / (t.device_us * 1e-6), "method": "numpy.copyto"}
+
+    def gather_probe(self, *, n: int, pool_slots: int, slot_bytes: int, runs: int) -> list[dict]:
+        words = slot_bytes // 8
+        pool = np.full((pool_slots, words), 0x3C, dtype=np.uint64)
+        idx = np.random.default_rng(7).integers(1, pool_slots, size=n)
+        out = []
+        for order, ix in (("random", idx), ("sorted", np.sort(idx))):
+            t = self.timer.device(lambda _i: np.bitwise_xor.reduce(pool[ix], axis=None), runs=max(runs, 1), warmup=1)
+            moved = n * (GATHER_INDEX_BYTES + slot_bytes)
+            out.append({"entries": n, "pool_slots": pool_slots, "slot_bytes": slot_bytes, "order": order,
+                        "bytes": moved, "time_us": t.device_us, "runs": t.runs,
+                        "bandwidth_bytes_per_s": moved / (t.device_us * 1e-6)})
+        return out
 
     def bare_launchers(self) -> dict:
         def bare():

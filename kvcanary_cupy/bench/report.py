@@ -163,6 +163,24 @@ def _table(header, rows) -> list[str]:
     return out
 
 
+def _gather_lines(results, bw) -> list[str]:
+    """The gather probe: what scattered slots cost before any checking is done."""
+    probes = [g for g in results.get("gather") or [] if isinstance(g, dict) and not g.get("error")]
+    if not probes:
+        return []
+    rows = []
+    for g in probes:
+        gbw = _num(g.get("bandwidth_bytes_per_s"))
+        rows.append([_count(g.get("entries")), _count(g.get("pool_slots")), f"{g.get('slot_bytes')} B",
+                     g.get("order", "?"), _f(g.get("time_us")), _f(gbw / 1e9 if gbw else None, 0),
+                     _f(bw / gbw if bw and gbw else None, 2)])
+    lines = ["**Gather probe** (`bench_gather`: read each slot's bytes at n indices and nothing else; bytes = "
+             "8 B index + slot bytes per entry; x copy time = its time over the copy floor of the same bytes)", ""]
+    lines += _table(["entries", "pool slots", "per slot", "slots", "us", "GB/s", "x copy time"], rows)
+    lines.append("")
+    return lines
+
+
 def markdown(results) -> str:
     """The full report as markdown (what goes between the README's markers)."""
     meta = results.get("meta", {})
@@ -182,6 +200,7 @@ def markdown(results) -> str:
     elif copy.get("error"):
         lines.append(f"Copy bandwidth: error: {copy['error']}")
     lines.append("")
+    lines += _gather_lines(results, bw)
 
     rows = []
     for c in results.get("cases", []):

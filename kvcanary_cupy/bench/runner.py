@@ -1,6 +1,6 @@
 """Runs a :class:`~.cases.Suite` on a platform and returns the results dict.
 
-Order: copy bandwidth, host overhead (small step, objects allocated once, graph
+Order: copy bandwidth, gather probe, host overhead (small step, objects allocated once, graph
 replay), then the cases pool by pool (each pool's canary and KV source are
 allocated once, freed after). Every case is guarded: an error is recorded in
 its entry (message and traceback tail) and the run goes on.
@@ -9,6 +9,8 @@ Results dict::
 
     meta   platform info, suite, runs, date, torch version, notes
     copy   buffer_bytes, bytes_moved, time_us, bandwidth_bytes_per_s
+    gather [{entries, pool_slots, slot_bytes, order (random | sorted), bytes, time_us, runs,
+            bandwidth_bytes_per_s}]
     host   bare_launch_us, bare_launch_args_us, plan_us, verify_us, write_us,
            step_us, step_device_us, graph_replay_host_us, graph_replay_device_us,
            baseline {plan_us, verify_us, write_us, step_us}
@@ -109,6 +111,16 @@ class Runner:
         except Exception as e:  # noqa: BLE001
             res["copy"] = {"error": _short(e), "traceback": _err(e)}
             self.say(f"[bench] copy failed: {_short(e)}")
+        try:
+            res["gather"] = [g for n, pool, nbytes in s.gather_probes
+                             for g in self.p.gather_probe(n=n, pool_slots=pool, slot_bytes=nbytes, runs=s.runs)]
+            self._free()
+            for g in res["gather"]:
+                self.say(f"[bench] gather {g['entries']} x {g['slot_bytes']} B ({g['order']}): "
+                         f"{g['time_us']:.1f} us, {g['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s")
+        except Exception as e:  # noqa: BLE001
+            res["gather"] = [{"error": _short(e), "traceback": _err(e)}]
+            self.say(f"[bench] gather probe failed: {_short(e)}")
         try:
             res["host"] = self.host_overhead()
         except Exception as e:  # noqa: BLE001

@@ -138,7 +138,7 @@ def test_torch_graph_capture_and_replay(cp):
     static = _static_torch(torch, fresh_data(rng))
     side = torch.cuda.Stream()
     # verify takes no framework inputs, so its default is CuPy's stream: pass torch's.
-    with torch.cuda.stream(side):  # warm-up: first calls allocate the plan ticket and fold table
+    with torch.cuda.stream(side):  # warm-up: first calls allocate the plan launch state and fold table
         g_step.run(static, verify_stream=torch.cuda.current_stream())
     torch.cuda.synchronize()
     g_step.reset_after_warmup()

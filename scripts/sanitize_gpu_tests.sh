@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every GPU test under compute-sanitizer memcheck, one test file per sanitizer run,
+# so that each file gets its own error summary and a slow file cannot hide the others.
+# CuPy's and PyTorch's memory pools are off: every array is its own allocation, so
+# memcheck sees any access past its end. The parity fuzz is left out (the memcheck
+# test in tests/gpu/test_sanitizer.py runs fuzz cases under the sanitizer itself).
+# Per-file limit: SANITIZER_FILE_TIMEOUT seconds (default 300). Exit status: files that
+# failed, timed out or reported errors.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export KVCANARY_CUPY_POOL=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1 XLA_PYTHON_CLIENT_ALLOCATOR=platform
+bad=0
+for f in tests/gpu/test_*.py tests/test_*.py; do
+    case "$f" in */test_parity_fuzz.py|*/test_sanitizer.py) continue ;; esac
+    out=$(timeout "${SANITIZER_FILE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 99 \
+        python3 -m pytest -q -p no:cacheprovider -m gpu "$f" 2>&1)
+    rc=$?
+    summary=$(grep -E "ERROR SUMMARY" <<<"$out" | tail -n 1)
+    result=$(grep -E "passed|failed|no tests ran|deselected" <<<"$out" | tail -n 1)
+    echo "$f: rc=$rc | ${result:-?} | ${summary:-no summary}"
+    # rc 5: pytest collected no GPU test in this file.
+    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then
+        bad=$((bad + 1))
+        tail -n 40 <<<"$out"
+    fi
+done
+exit $bad

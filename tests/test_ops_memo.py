@@ -1,0 +1,87 @@
+"""ops' memo of recent native calls: repeated arguments skip validation, never correctness."""
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from kvcanary_cupy import ops
+
+TABLE = np.array([[0] * 8, [11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26, 27, 28]], dtype=np.int32)
+
+
+def _plan_args(xp, rows, prefix):
+    return dict(req_pool_indices=xp.asarray(rows), prefix_lens=xp.asarray(prefix),
+                extend_lens=xp.zeros(len(rows), dtype=xp.int64), req_to_token=xp.asarray(TABLE))
+
+
+def _slots(vp):
+    return vp.host_entries()["slot_indices"].tolist()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo(monkeypatch):
+    for name in ("_PLAN", "_WRITE", "_VERIFY", "_SCATTER"):
+        monkeypatch.setattr(ops, name, ops._RecentCalls())
+
+
+def test_repeated_call_sees_new_contents(xp, device):
+    vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2, device=device)
+    a = _plan_args(xp, [1, 2], [2, 3])
+    kc.plan(vp, None, **a)
+    assert _slots(vp) == [11, 12, 21, 22, 23]
+    a["prefix_lens"][:] = xp.asarray([1, 1])  # the same arrays, new data
+    a["req_pool_indices"][:] = xp.asarray([2, 1])
+    kc.plan(vp, None, **a)
+    assert _slots(vp) == [21, 11]
+    assert len(ops._PLAN.calls) == 1
+
+
+def test_alternating_input_sets_are_both_kept(xp, device):
+    vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2, device=device)
+    sets = [_plan_args(xp, [1], [3]), _plan_args(xp, [2, 1], [1, 2])]
+    for _ in range(3):
+        for s, want in zip(sets, ([11, 12, 13], [21, 11, 12])):
+            kc.plan(vp, None, **s)
+            assert _slots(vp) == want
+    assert len(ops._PLAN.calls) == 2
+
+
+def test_new_arguments_are_validated_again(xp, device):
+    vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2, device=device)
+    a = _plan_args(xp, [1], [3])
+    kc.plan(vp, None, **a)
+    with pytest.raises(ValueError, match="kvcanary: req_pool_indices: a batch of 3 rows"):
+        kc.plan(vp, None, **_plan_args(xp, [1, 1, 1], [3, 3, 3]))
+    with pytest.raises(TypeError, match="kvcanary: prefix_lens"):
+        kc.plan(vp, None, **dict(a, prefix_lens=xp.asarray([3.0])))
+
+
+def test_equal_scalars_hit_the_same_entry(xp, device):
+    canary = kc.CanaryBuffer.allocate(num_slots=32, device=device)
+    vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2, device=device)
+    log = kc.ViolationLog.allocate(capacity=8, device=device)
+    kc.plan(vp, None, **_plan_args(xp, [1], [0]))
+    for tag in (1000, int("1000"), np.int64(1000)):  # equal values, distinct objects
+        kc.verify(canary, vp, log=log, tag=tag)
+    assert len(ops._VERIFY.calls) == 1
+    kc.verify(canary, vp, log=log, tag=1001)
+    assert len(ops._VERIFY.calls) == 2
+
+
+def test_memo_is_bounded_and_evicts_the_oldest(xp, device):
+    vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2, device=device)
+    sets = [_plan_args(xp, [1], [k % 4]) for k in range(ops._RecentCalls.CAPACITY + 5)]
+    for s in sets:
+        kc.plan(vp, None, **s)
+    assert len(ops._PLAN.calls) == ops._RecentCalls.CAPACITY
+    kept = {id(o) for objs, _ in ops._PLAN.calls.values() for o in objs}
+    assert id(sets[0]["req_pool_indices"]) not in kept
+    assert id(sets[-1]["req_pool_indices"]) in kept
+
+
+def test_foreign_inputs_are_not_kept():
+    torch = pytest.importorskip("torch")
+    vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2)
+    kc.plan(vp, None, req_pool_indices=torch.tensor([1]), prefix_lens=torch.tensor([2]),
+            extend_lens=torch.tensor([0]), req_to_token=torch.from_numpy(TABLE))
+    assert _slots(vp) == [11, 12]
+    assert len(ops._PLAN.calls) == 0
