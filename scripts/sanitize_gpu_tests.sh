@@ -4,14 +4,17 @@
 # CuPy's and PyTorch's memory pools are off: every array is its own allocation, so
 # memcheck sees any access past its end. The parity fuzz is left out (the memcheck
 # test in tests/gpu/test_sanitizer.py runs fuzz cases under the sanitizer itself).
-# Per-file limit: SANITIZER_FILE_TIMEOUT seconds (default 300). Exit status: files that
-# failed, timed out or reported errors.
+# Per-file limit: SANITIZER_FILE_TIMEOUT seconds (default 300). Arguments, if any: the
+# test files to run (default: all). Exit status: files that failed, timed out or reported
+# errors.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export KVCANARY_CUPY_POOL=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1 XLA_PYTHON_CLIENT_ALLOCATOR=platform
 bad=0
-for f in tests/gpu/test_*.py tests/test_*.py; do
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py tests/test_*.py)
+for f in "${files[@]}"; do
     case "$f" in */test_parity_fuzz.py|*/test_sanitizer.py) continue ;; esac
     out=$(timeout "${SANITIZER_FILE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 99 \
         python3 -m pytest -q -p no:cacheprovider -m gpu "$f" 2>&1)
