@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU test under compute-sanitizer memcheck, one test file per sanitizer run,
 # so that each file gets its own error summary and a slow file cannot hide the others.
-# CuPy's and PyTorch's memory pools are off: every array is its own allocation, so
-# memcheck sees any access past its end. The parity fuzz is left out (the memcheck
+# CuPy's memory pool is off (every kvcanary buffer its own allocation, so memcheck sees
+# any access past its end); PyTorch keeps its caching allocator, which torch.cuda.graph
+# capture needs. The parity fuzz is left out (the memcheck
 # test in tests/gpu/test_sanitizer.py runs fuzz cases under the sanitizer itself).
 # Per-file limit: SANITIZER_FILE_TIMEOUT seconds (default 300). Arguments, if any: the
 # test files to run (default: all). Exit status: files that failed, timed out or reported
@@ -10,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export KVCANARY_CUPY_POOL=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1 XLA_PYTHON_CLIENT_ALLOCATOR=platform
+export KVCANARY_CUPY_POOL=0 XLA_PYTHON_CLIENT_ALLOCATOR=platform
 bad=0
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py tests/test_*.py)
