@@ -5,7 +5,9 @@
 // when no real-KV source is given (the expected fingerprint is then 0), which
 // keeps the common kernel small. Fingerprints are computed by g lanes per
 // entry (see lanes_per_fingerprint); the other checks by the group's first
-// lane. Counters go through a block reduction (one atomic per block);
+// lane. A predecessor that is the previous entry's slot (every entry of a row
+// but its first) is not gathered again: its link comes from the lane below.
+// Counters go through a block reduction (one atomic per block);
 // violations through the warp-aggregated ring append. The batch row of an
 // entry is searched in the offsets only when the entry fails.
 //

@@ -12,6 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export KVCANARY_CUPY_POOL=0 XLA_PYTHON_CLIENT_ALLOCATOR=platform
+# Property tests at a tenth of their examples: memcheck makes each one far slower.
+export KVCANARY_EXAMPLES_SCALE=${SANITIZER_EXAMPLES_SCALE:-0.1}
 bad=0
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py tests/test_*.py)
