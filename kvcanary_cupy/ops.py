@@ -86,25 +86,48 @@ class _RecentCalls:
     dtype and device of a NumPy / CuPy array cannot change, and nothing here reads
     array data. A key holds ``id()`` of each object argument and the value of each
     scalar one; the entry keeps the objects themselves, so none of those ids can be
-    reused by another object while it is here. The oldest entry goes when it is full.
+    reused by another object while it is there. The oldest entry goes when it is full.
+
+    The calls of write / verify live on their canary, those of plan on its plan
+    (:func:`_recent_calls`): they go when the owner goes, with the arguments they hold.
+    Scatter, which has no owner object, keeps only its last call.
     """
 
-    CAPACITY = 32
-    __slots__ = ("calls",)
+    CAPACITY = 8
+    __slots__ = ("calls", "capacity")
 
-    def __init__(self):
+    def __init__(self, capacity: int = CAPACITY):
         self.calls: dict = {}
+        self.capacity = capacity
 
-    def get(self, key) -> _Call | None:
+    def run(self, key, keep, prepare, args, stream) -> None:
+        """Run the call remembered under ``key``, else ``prepare(*args)``, remembered with
+        ``keep``: every object whose id is in ``key``."""
         hit = self.calls.get(key)
-        return None if hit is None else hit[1]
-
-    def put(self, key, objects, call: _Call) -> _Call:
-        if call.native:
-            if len(self.calls) >= self.CAPACITY:
+        if hit is not None:
+            hit[1].run(stream)
+            return
+        call = prepare(*args)
+        if call.native and self.capacity:
+            if len(self.calls) >= self.capacity:
                 del self.calls[next(iter(self.calls))]
-            self.calls[key] = (objects, call)
-        return call
+            self.calls[key] = (keep, call)
+        call.run(stream)
+
+
+_RECENT_ATTR = "_kvcanary_recent_calls"
+_NO_MEMO = _RecentCalls(capacity=0)  # for owners of the wrong type: validation then raises
+
+
+def _recent_calls(owner, cls) -> _RecentCalls:
+    """The recent calls kept on ``owner`` (a kvcanary object of class ``cls``). An entry
+    refers back to its owner, a cycle that Python's collector frees with the owner."""
+    if not isinstance(owner, cls):
+        return _NO_MEMO
+    memo = owner.__dict__.get(_RECENT_ATTR)
+    if memo is None:
+        memo = owner.__dict__[_RECENT_ATTR] = _RecentCalls()
+    return memo
 
 
 def _scalar(x):
@@ -117,7 +140,7 @@ def _scalar(x):
     return x
 
 
-_PLAN, _WRITE, _VERIFY, _SCATTER = _RecentCalls(), _RecentCalls(), _RecentCalls(), _RecentCalls()
+_SCATTER = _RecentCalls(capacity=1)
 
 
 def _no_extra(op: str, extra: dict) -> None:
@@ -188,7 +211,8 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
     objs = (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
             page_size, swa, expected)
     key = (*map(id, objs[:7]), _scalar(page_size), id(swa), id(expected))
-    (_PLAN.get(key) or _PLAN.put(key, objs, _prepare_plan(*objs))).run(stream)
+    owner = verify_plan if verify_plan is not None else write_plan
+    _recent_calls(owner, (VerifyPlan, WritePlan)).run(key, objs, _prepare_plan, objs, stream)
 
 
 def _prepare_plan(verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token,
@@ -264,9 +288,8 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
     exp = tuple(expected_inputs) if isinstance(expected_inputs, (tuple, list)) else (expected_inputs,)
     objs = (canary, write_plan, input_ids, positions, out_cache_loc, log, *exp, *srcs)
     key = (*map(id, objs), _scalar(tag), _scalar(real_kv_mode), len(exp))
-    (_WRITE.get(key) or _WRITE.put(key, objs, _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc,
-                                                             log, tag, real_kv, real_kv_mode, expected_inputs))
-     ).run(stream)
+    _recent_calls(canary, CanaryBuffer).run(key, objs, _prepare_write, (
+        canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs), stream)
 
 
 def _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode,
@@ -314,8 +337,8 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
     objs = (canary, verify_plan, log, sample,
             *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
     key = (*map(id, objs), _scalar(tag), _scalar(real_kv_mode), _scalar(check_tokens))
-    (_VERIFY.get(key) or _VERIFY.put(key, objs, _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode,
-                                                                check_tokens, sample))).run(stream)
+    _recent_calls(canary, CanaryBuffer).run(key, objs, _prepare_verify, (
+        canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample), stream)
 
 
 def _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample) -> "_Call":
@@ -342,7 +365,7 @@ def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=
         _no_extra("scatter_expected_tokens", extra)
     objs = (table, tokens, offsets, req_pool_indices)
     key = tuple(map(id, objs))
-    (_SCATTER.get(key) or _SCATTER.put(key, objs, _prepare_scatter(*objs))).run(stream)
+    _SCATTER.run(key, objs, _prepare_scatter, objs, stream)
 
 
 def _prepare_scatter(table, tokens, offsets, req_pool_indices) -> "_Call":

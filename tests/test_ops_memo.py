@@ -1,4 +1,7 @@
 """ops' memo of recent native calls: repeated arguments skip validation, never correctness."""
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -17,10 +20,9 @@ def _slots(vp):
     return vp.host_entries()["slot_indices"].tolist()
 
 
-@pytest.fixture(autouse=True)
-def _fresh_memo(monkeypatch):
-    for name in ("_PLAN", "_WRITE", "_VERIFY", "_SCATTER"):
-        monkeypatch.setattr(ops, name, ops._RecentCalls())
+def _calls(owner) -> dict:
+    memo = owner.__dict__.get(ops._RECENT_ATTR)
+    return {} if memo is None else memo.calls
 
 
 def test_repeated_call_sees_new_contents(xp, device):
@@ -32,7 +34,7 @@ def test_repeated_call_sees_new_contents(xp, device):
     a["req_pool_indices"][:] = xp.asarray([2, 1])
     kc.plan(vp, None, **a)
     assert _slots(vp) == [21, 11]
-    assert len(ops._PLAN.calls) == 1
+    assert len(_calls(vp)) == 1
 
 
 def test_alternating_input_sets_are_both_kept(xp, device):
@@ -42,7 +44,7 @@ def test_alternating_input_sets_are_both_kept(xp, device):
         for s, want in zip(sets, ([11, 12, 13], [21, 11, 12])):
             kc.plan(vp, None, **s)
             assert _slots(vp) == want
-    assert len(ops._PLAN.calls) == 2
+    assert len(_calls(vp)) == 2
 
 
 def test_new_arguments_are_validated_again(xp, device):
@@ -53,6 +55,8 @@ def test_new_arguments_are_validated_again(xp, device):
         kc.plan(vp, None, **_plan_args(xp, [1, 1, 1], [3, 3, 3]))
     with pytest.raises(TypeError, match="kvcanary: prefix_lens"):
         kc.plan(vp, None, **dict(a, prefix_lens=xp.asarray([3.0])))
+    with pytest.raises(TypeError, match="kvcanary: verify_plan"):
+        kc.plan("not a plan", None, **a)
 
 
 def test_equal_scalars_hit_the_same_entry(xp, device):
@@ -62,9 +66,9 @@ def test_equal_scalars_hit_the_same_entry(xp, device):
     kc.plan(vp, None, **_plan_args(xp, [1], [0]))
     for tag in (1000, int("1000"), np.int64(1000)):  # equal values, distinct objects
         kc.verify(canary, vp, log=log, tag=tag)
-    assert len(ops._VERIFY.calls) == 1
+    assert len(_calls(canary)) == 1
     kc.verify(canary, vp, log=log, tag=1001)
-    assert len(ops._VERIFY.calls) == 2
+    assert len(_calls(canary)) == 2
 
 
 def test_memo_is_bounded_and_evicts_the_oldest(xp, device):
@@ -72,10 +76,24 @@ def test_memo_is_bounded_and_evicts_the_oldest(xp, device):
     sets = [_plan_args(xp, [1], [k % 4]) for k in range(ops._RecentCalls.CAPACITY + 5)]
     for s in sets:
         kc.plan(vp, None, **s)
-    assert len(ops._PLAN.calls) == ops._RecentCalls.CAPACITY
-    kept = {id(o) for objs, _ in ops._PLAN.calls.values() for o in objs}
+    assert len(_calls(vp)) == ops._RecentCalls.CAPACITY
+    kept = {id(o) for objs, _ in _calls(vp).values() for o in objs}
     assert id(sets[0]["req_pool_indices"]) not in kept
     assert id(sets[-1]["req_pool_indices"]) in kept
+
+
+def test_calls_go_with_their_canary(xp, device):
+    """The memo holds the step's arguments, but not past the canary it lives on."""
+    canary = kc.CanaryBuffer.allocate(num_slots=32, device=device)
+    vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2, device=device)
+    log = kc.ViolationLog.allocate(capacity=8, device=device)
+    kc.plan(vp, None, **_plan_args(xp, [1], [2]))
+    kc.verify(canary, vp, log=log, tag=1)
+    gone = weakref.ref(canary)
+    held = weakref.ref(log)
+    del canary, log
+    gc.collect()
+    assert gone() is None and held() is None
 
 
 def test_foreign_inputs_are_not_kept():
@@ -84,4 +102,4 @@ def test_foreign_inputs_are_not_kept():
     kc.plan(vp, None, req_pool_indices=torch.tensor([1]), prefix_lens=torch.tensor([2]),
             extend_lens=torch.tensor([0]), req_to_token=torch.from_numpy(TABLE))
     assert _slots(vp) == [11, 12]
-    assert len(ops._PLAN.calls) == 0
+    assert len(_calls(vp)) == 0
