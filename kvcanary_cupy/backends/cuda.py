@@ -167,7 +167,7 @@ def _dev(a) -> int:
 
 
 class _Launch:
-    """One or two kernels sharing one packed argument struct."""
+    """Kernels launched in order with one packed argument struct (every op is one kernel now)."""
 
     __slots__ = ("fns", "buf", "params", "params_ptr", "dev", "grids", "lock", "index", "keep", "packed",
                  "__weakref__")
