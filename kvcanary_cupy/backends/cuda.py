@@ -341,20 +341,25 @@ def plan(vp, wp, *, stream=None, **inputs):
 
 
 # --- write -------------------------------------------------------------------
-def _make_write_launch(canary, wp, log, tag, sources, mode, stream: int) -> _Launch:
-    rt = _runtime()
+def _canary_launch(fields, family, names, canary, log, tag, sources, mode, stream: int, **values) -> _Launch:
+    """A write or verify launch: the kernel instance ``names[1]`` with real-KV folds, else
+    ``names[0]``, and the canary, log, tag and fold fields both structs share, plus ``values``."""
     dev = _dev(canary.records)
     folds, nf = _fold_table(sources, mode, dev, stream)
-    name = "kvc::write_tokens<true>" if nf else "kvc::write_tokens<false>"
-    fn = rt.function("write", name, dev)
-    L = _Launch(WRITE_FIELDS, [fn], dev, dict(
-        records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
-        offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
-        position_check=_ptr(wp.position_check), max_batch=wp.max_batch,
+    fn = _runtime().function(family, names[1] if nf else names[0], dev)
+    return _Launch(fields, [fn], dev, dict(
+        values, records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
         ring=_aligned16(log.ring, "log.ring"), head=_ptr(log.head), ring_capacity=log.capacity,
         counters=_ptr(log.counter_array), tag=_i64(tag), folds=_ptr(folds) if nf else 0, num_folds=nf),
         keep=folds)
-    L.grids = (rt.resident_blocks(fn, dev), wp.max_batch * 32, min(nf, 32))
+
+
+def _make_write_launch(canary, wp, log, tag, sources, mode, stream: int) -> _Launch:
+    L = _canary_launch(WRITE_FIELDS, "write", ("kvc::write_tokens<false>", "kvc::write_tokens<true>"), canary, log,
+                       tag, sources, mode, stream, offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots),
+                       num_rows=_ptr(wp.num_rows), position_check=_ptr(wp.position_check), max_batch=wp.max_batch)
+    nf = int(L.buf[L.index["num_folds"]])
+    L.grids = (_runtime().resident_blocks(L.fns[0], L.dev), wp.max_batch * 32, min(nf, 32))
     return L
 
 
@@ -395,22 +400,16 @@ def write(canary, wp, *, stream=None, **inputs):
 
 # --- verify ------------------------------------------------------------------
 def _make_verify_launch(canary, vp, log, tag, sources, mode, check_tokens, sample, stream: int) -> _Launch:
-    rt = _runtime()
-    dev = _dev(canary.records)
-    folds, nf = _fold_table(sources, mode, dev, stream)
-    name = "kvc::verify_entries<true>" if nf else "kvc::verify_entries<false>"
-    fn = rt.function("verify", name, dev)
-    L = _Launch(VERIFY_FIELDS, [fn], dev, dict(
-        records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
-        slot_indices=_ptr(vp.slot_indices), prev_slot_indices=_ptr(vp.prev_slot_indices),
-        expected_positions=_ptr(vp.expected_positions), expected_tokens=_ptr(vp.expected_tokens),
-        offsets=_ptr(vp.offsets), offsets_len=vp.offsets.shape[0], num_valid=_ptr(vp.num_valid),
-        enable=_ptr(vp.enable), capacity=vp.capacity, ring=_aligned16(log.ring, "log.ring"), head=_ptr(log.head),
-        ring_capacity=log.capacity, counters=_ptr(log.counter_array), tag=_i64(tag),
-        check_tokens=1 if check_tokens else 0, folds=_ptr(folds) if nf else 0, num_folds=nf,
-        sample_state=_ptr(sample.state) if sample is not None else 0,
-        period=sample.period if sample is not None else 1), keep=folds)
-    L.grids = (_blocks(vp.capacity * (min(nf, 32) if nf else 1), rt.resident_blocks(fn, dev)),)
+    L = _canary_launch(VERIFY_FIELDS, "verify", ("kvc::verify_entries<false>", "kvc::verify_entries<true>"), canary,
+                       log, tag, sources, mode, stream, slot_indices=_ptr(vp.slot_indices),
+                       prev_slot_indices=_ptr(vp.prev_slot_indices), expected_positions=_ptr(vp.expected_positions),
+                       expected_tokens=_ptr(vp.expected_tokens), offsets=_ptr(vp.offsets),
+                       offsets_len=vp.offsets.shape[0], num_valid=_ptr(vp.num_valid), enable=_ptr(vp.enable),
+                       capacity=vp.capacity, check_tokens=1 if check_tokens else 0,
+                       sample_state=_ptr(sample.state) if sample is not None else 0,
+                       period=sample.period if sample is not None else 1)
+    nf = int(L.buf[L.index["num_folds"]])
+    L.grids = (_blocks(vp.capacity * (min(nf, 32) if nf else 1), _runtime().resident_blocks(L.fns[0], L.dev)),)
     return L
 
 

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from ..backends import cuda as cuda_backend  # imports no CuPy until a kernel runs
 from ..backends import cuda_sources
 from .timing import CudaTimer, TorchTimer, WallTimer
 
@@ -147,16 +148,12 @@ class CudaPlatform:
         idx = rng.integers(1, pool_slots, size=n, dtype=cp.int64)
         sink = cp.zeros(1, dtype=cp.uint64)
         k = self._probe("kvc::bench_gather")
-        dev = cp.cuda.Device(self.device_id)
-        try:
-            per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(k.kernel.ptr, 256, 0)
-        except AttributeError:  # a CuPy without the occupancy call
-            per_sm = 8
-        grid = max(1, min(-(-n // 256), per_sm * dev.attributes["MultiProcessorCount"]))
+        grid = cuda_backend._blocks(n, cuda_backend._runtime().resident_blocks(k.kernel.ptr, self.device_id))
         out = []
         for order, ix in (("random", idx), ("sorted", cp.sort(idx))):
             args = (pool, ix, np.int64(n), np.int64(words), sink)
-            t = self.timer.device(lambda _i: k((grid,), (256,), args), runs=max(runs, 1), warmup=3, flush=True)
+            t = self.timer.device(lambda _i: k((grid,), (cuda_backend.BLOCK,), args), runs=max(runs, 1), warmup=3,
+                                  flush=True)
             moved = n * (GATHER_INDEX_BYTES + slot_bytes)
             out.append({"entries": n, "pool_slots": pool_slots, "slot_bytes": slot_bytes, "order": order,
                         "bytes": moved, "time_us": t.device_us, "runs": t.runs,
