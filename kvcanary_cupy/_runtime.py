@@ -28,7 +28,8 @@ def on_stream(device: str, ptr):
     array operations run in stream order with the ops (and are captured with them)."""
     if is_cpu(device) or ptr is None:
         return contextlib.nullcontext()
-    return _cupy_stream(ptr)
+    cp = sys.modules.get("cupy") or __import__("cupy")
+    return arrays.on_cupy_stream(int(ptr), int(cp.cuda.runtime.getDevice()))
 
 
 def is_capturing(device: str, ptr) -> bool:

@@ -15,6 +15,7 @@ tensors (for :class:`~kvcanary_cupy.RealKvSource`) go through PyTorch's
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from typing import Any, Iterable, Sequence
@@ -136,8 +137,8 @@ class _StreamHandle:
 
 
 def cupy_stream(ptr: int, device_id: int):
-    """A (cached) CuPy stream object for a raw ``cudaStream_t``, usable as a context
-    manager so CuPy's own operations run on it."""
+    """A (cached) CuPy stream object for a raw ``cudaStream_t``. To run CuPy's own
+    operations on it, enter :func:`on_cupy_stream`, not the object itself."""
     key = (ptr, device_id)
     s = _STREAMS.get(key)
     if s is None:
@@ -154,13 +155,37 @@ def cupy_stream(ptr: int, device_id: int):
     return s
 
 
+@contextlib.contextmanager
+def on_cupy_stream(ptr: int, device_id: int):
+    """Run the block's CuPy work on stream ``ptr``; afterwards CuPy's current stream is
+    the caller's again.
+
+    CuPy's ``with stream:`` alone does not promise that: leaving it can fall back to the
+    null stream instead of a stream the caller made current with ``.use()``
+    (cupy/cupy#8377). The caller's next CuPy work would then leave its own stream, unordered
+    with everything queued there, a race that only shows when the device is busy. So the
+    block switches streams only when it must, and puts the caller's stream back if CuPy
+    did not."""
+    cp = _cupy()
+    before = cp.cuda.get_current_stream()
+    if before.ptr == ptr:
+        yield before
+        return
+    try:
+        with cupy_stream(ptr, device_id) as s:
+            yield s
+    finally:
+        if cp.cuda.get_current_stream().ptr != before.ptr:
+            before.use()
+
+
 def _torch_cuda_import(obj):
     """A CuPy view of a PyTorch CUDA tensor, consumed on PyTorch's current stream."""
     torch = sys.modules["torch"]
     dev = obj.device.index if obj.device.index is not None else torch.cuda.current_device()
     ptr = int(torch.cuda.current_stream(dev).cuda_stream)
     cp = _cupy()
-    with cp.cuda.Device(dev), cupy_stream(ptr, dev):
+    with cp.cuda.Device(dev), on_cupy_stream(ptr, dev):
         return cp.from_dlpack(obj)
 
 

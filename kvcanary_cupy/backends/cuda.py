@@ -141,7 +141,7 @@ class _CupyRuntime:
         self._runtime.memsetAsync(ptr, 0, nbytes, stream)
 
     def upload_i64(self, host: np.ndarray, dev: int, stream: int):
-        with self.cp.cuda.Device(dev), arrays.cupy_stream(stream, dev):
+        with self.cp.cuda.Device(dev), arrays.on_cupy_stream(stream, dev):
             return self.cp.asarray(host)
 
     def empty_u64(self, n: int, dev: int):
