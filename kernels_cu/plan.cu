@@ -190,6 +190,17 @@ __device__ void plan_scan(const PlanArgs& a, i64* sh) {
 // wrote them. A warp's entries span few rows, so the warp keeps its current row
 // and that row's bounds in registers and searches the offsets only when a lane
 // lies past the row's end.
+// What the fill needs of the row a warp is in: its first and end entry, its
+// request-pool index and the position of its first entry.
+struct FillRow {
+    i64 lo, hi, rp, start;
+};
+
+__device__ __forceinline__ FillRow fill_row(const PlanArgs& a, const i64* off, i64 row, bool w_rpi, bool w_pre) {
+    return FillRow{__ldcg(off + row), __ldcg(off + row + 1), load_index(a.rpi, w_rpi, row),
+                   window_start(a, load_index(a.pre, w_pre, row))};
+}
+
 __device__ void plan_fill(const PlanArgs& a) {
     if (__ldcg(a.vp_enable) != 1) return;
     const i64 n = __ldcg(a.vp_num_valid);
@@ -203,17 +214,16 @@ __device__ void plan_fill(const PlanArgs& a) {
     const i64 last = first + per_warp < n ? first + per_warp : n;
     if (first >= last) return;
     i64 row = row_of<true>(off, a.bs + 1, first);  // the same in every lane
-    i64 row_lo = __ldcg(off + row), row_hi = __ldcg(off + row + 1);
-    i64 row_rp = load_index(a.rpi, w_rpi, row);
-    i64 row_start = window_start(a, load_index(a.pre, w_pre, row));
+    FillRow cur = fill_row(a, off, row, w_rpi, w_pre);
     for (i64 base = first; base < last; base += 32) {
         const i64 e = base + lane;
         const bool act = e < last;
-        i64 r = row, rp = row_rp, pos = row_start + (e - row_lo), slot = -1;
-        if (act && e >= row_hi) {  // a later row: rare, and only past a row boundary
+        i64 r = row, rp = cur.rp, pos = cur.start + (e - cur.lo), slot = -1;
+        if (act && e >= cur.hi) {  // a later row: rare, and only past a row boundary
             r = row + 1 + row_of<true>(off + row + 1, a.bs - row, e);
-            rp = load_index(a.rpi, w_rpi, r);
-            pos = window_start(a, load_index(a.pre, w_pre, r)) + (e - __ldcg(off + r));
+            const FillRow later = fill_row(a, off, r, w_rpi, w_pre);
+            rp = later.rp;
+            pos = later.start + (e - later.lo);
         }
         if (act) slot = slot_at(a, rp, pos);
         // The slot at pos - 1 is, but for a row's first entry, the lane below's slot.
@@ -224,10 +234,7 @@ __device__ void plan_fill(const PlanArgs& a) {
         const i64 next_row = __shfl_sync(FULL_MASK, r, (int)(last - base < 32 ? last - base - 1 : 31));
         if (next_row != row) {
             row = next_row;
-            row_lo = __ldcg(off + row);
-            row_hi = __ldcg(off + row + 1);
-            row_rp = load_index(a.rpi, w_rpi, row);
-            row_start = window_start(a, load_index(a.pre, w_pre, row));
+            cur = fill_row(a, off, row, w_rpi, w_pre);
         }
         if (!act) continue;
         i64 prev = -1;
