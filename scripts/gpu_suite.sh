@@ -26,6 +26,11 @@ stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, print the tail
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 stage tests python3 -m pytest -q -p no:cacheprovider -rfE --deselect tests/gpu/test_parity_fuzz.py
 stage fuzz env KVCANARY_FUZZ_CASES="${FUZZ_CASES:-500}" python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_parity_fuzz.py
+# The GPU tests again while another process keeps the device busy (not in the default
+# stages): a missing order between streams shows only when queued work runs late.
+stage contention bash -c 'python3 scripts/gpu_busy.py 600 & busy=$!; sleep 3
+    python3 -m pytest -q -p no:cacheprovider -m gpu --deselect tests/gpu/test_parity_fuzz.py \
+        --deselect tests/gpu/test_sanitizer.py; rc=$?; kill $busy; exit $rc'
 # Every GPU test under memcheck, file by file (slow; not in the default stages): STAGES=sanitizer.
 stage sanitizer bash scripts/sanitize_gpu_tests.sh
 stage selftest python3 -m kvcanary_cupy selftest --backend cuda --json /tmp/selftest.json

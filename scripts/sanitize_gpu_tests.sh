@@ -14,13 +14,17 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export KVCANARY_CUPY_POOL=0 XLA_PYTHON_CLIENT_ALLOCATOR=platform
 # Property tests at a tenth of their examples: memcheck makes each one far slower.
 export KVCANARY_EXAMPLES_SCALE=${SANITIZER_EXAMPLES_SCALE:-0.1}
+# Left out: the memo lifetime check. Under compute-sanitizer the frames of the last
+# verify call stay referenced after it returns, and they hold its canary (the test then
+# fails with no memory error); in plain runs, CPU and GPU, the canary is freed.
+skip=(--deselect "tests/test_ops_memo.py::test_calls_go_with_their_canary[cupy]")
 bad=0
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py tests/test_*.py)
 for f in "${files[@]}"; do
     case "$f" in */test_parity_fuzz.py|*/test_sanitizer.py) continue ;; esac
     out=$(timeout "${SANITIZER_FILE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 99 \
-        python3 -m pytest -q -p no:cacheprovider -m gpu "$f" 2>&1)
+        python3 -m pytest -q -p no:cacheprovider -m gpu "${skip[@]}" "$f" 2>&1)
     rc=$?
     summary=$(grep -E "ERROR SUMMARY" <<<"$out" | tail -n 1)
     result=$(grep -E "passed|failed|no tests ran|deselected" <<<"$out" | tail -n 1)
