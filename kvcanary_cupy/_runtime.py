@@ -18,9 +18,13 @@ def is_cpu(device: str) -> bool:
     return device == "cpu"
 
 
-def _cupy_stream(ptr):
+def _current_device() -> int:
     cp = sys.modules.get("cupy") or __import__("cupy")
-    return arrays.cupy_stream(int(ptr), int(cp.cuda.runtime.getDevice()))
+    return int(cp.cuda.runtime.getDevice())
+
+
+def _cupy_stream(ptr):
+    return arrays.cupy_stream(int(ptr), _current_device())
 
 
 def on_stream(device: str, ptr):
@@ -28,8 +32,7 @@ def on_stream(device: str, ptr):
     array operations run in stream order with the ops (and are captured with them)."""
     if is_cpu(device) or ptr is None:
         return contextlib.nullcontext()
-    cp = sys.modules.get("cupy") or __import__("cupy")
-    return arrays.on_cupy_stream(int(ptr), int(cp.cuda.runtime.getDevice()))
+    return arrays.on_cupy_stream(int(ptr), _current_device())
 
 
 def is_capturing(device: str, ptr) -> bool:

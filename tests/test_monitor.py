@@ -561,28 +561,25 @@ def test_cupy_graph_capture_replays_the_checks():
             mon.before_forward(batch_size=1, stream=s)
             mon.after_forward(num_tokens=1, stream=s)
             graph = s.end_capture()
-    found = []
-    for p in range(5, 12):
-        with s:
-            refill(p)
-            graph.launch(stream=s)
-        mon.note_step(request_ids=[f"r@{p}"])
-        found += mon.poll(stream=s)
-    s.synchronize()
-    found += mon.poll(stream=s)
+
+    def replay(positions):
+        found = []
+        for p in positions:
+            with s:
+                refill(p)
+                graph.launch(stream=s)
+            mon.note_step(request_ids=[f"r@{p}"])
+            found += mon.poll(stream=s)
+        s.synchronize()
+        return found + mon.poll(stream=s)
+
+    found = replay(range(5, 12))
     assert found == []
     rec = mon.canary.host_records()
     np.testing.assert_array_equal(rec[1:13], kc.make_records(100 + np.arange(12), np.arange(12)))
     assert mon.stats()["steps"] == 7
     table[1, 2] = 40  # corrupt; the next replays' verify must see it
-    for p in range(12, 14):
-        with s:
-            refill(p)
-            graph.launch(stream=s)
-        mon.note_step(request_ids=[f"r@{p}"])
-        found += mon.poll(stream=s)
-    s.synchronize()
-    found += mon.poll(stream=s)
+    found = replay(range(12, 14))
     # slot 40 is unstamped, and position 3 (slot 4) no longer links to its predecessor
     assert found and {v.slot for v in found} == {40, 4} and all(v.tag == T.VERIFY for v in found)
     assert {v.request for v in found} <= {"r@12", "r@13"}

@@ -20,6 +20,8 @@ int64.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from .. import format as fmt
@@ -71,6 +73,11 @@ def mix3(a, b, c):
 
 
 # --- owned objects -------------------------------------------------------------
+def _full_i64(n: int, value: int, device):
+    torch = _torch()
+    return torch.full((n,), value, dtype=torch.int64, device=device)
+
+
 @dataclass(eq=False)
 class TorchVerifyPlan:
     """The verify plan's arrays as int64 torch tensors (see ``kvcanary_cupy.VerifyPlan``)."""
@@ -87,10 +94,7 @@ class TorchVerifyPlan:
 
     @classmethod
     def allocate(cls, *, capacity: int, max_batch: int, device="cpu", fill: int = -1) -> "TorchVerifyPlan":
-        torch = _torch()
-
-        def full(n, v):
-            return torch.full((n,), v, dtype=torch.int64, device=device)
+        full = functools.partial(_full_i64, device=device)
 
         return cls(full(capacity, fill), full(capacity, fill), full(capacity, fill), full(capacity, fill),
                    full(max_batch + 1, 0), full(1, 0), full(1, 0), full(1, 0), full(1, 0))
@@ -112,10 +116,7 @@ class TorchWritePlan:
 
     @classmethod
     def allocate(cls, *, max_batch: int, device="cpu") -> "TorchWritePlan":
-        torch = _torch()
-
-        def full(n, v):
-            return torch.full((n,), v, dtype=torch.int64, device=device)
+        full = functools.partial(_full_i64, device=device)
 
         return cls(full(max_batch + 1, 0), full(max_batch, -1), full(1, 0), full(1, 0), full(1, 1))
 
