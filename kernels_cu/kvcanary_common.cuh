@@ -60,10 +60,13 @@ inline constexpr i64 COL_BATCH_ROW = 8;
 inline constexpr i64 COL_EXPECTED_POSITION = 9;
 
 // --- log counters -----------------------------------------------------------
-inline constexpr i64 NUM_COUNTERS = 3;
+inline constexpr i64 NUM_COUNTERS = 6;
 inline constexpr i64 CTR_KERNEL_RUNS = 0;
 inline constexpr i64 CTR_SLOTS_CHECKED = 1;
 inline constexpr i64 CTR_SLOTS_WRITTEN = 2;
+inline constexpr i64 CTR_VERIFIES_SKIPPED = 3;  // verify runs whose plan is not enabled
+inline constexpr i64 CTR_WRITES_SKIPPED = 4;    // write runs whose plan was never planned
+inline constexpr i64 CTR_TOKENS_SKIPPED = 5;    // tokens of live write rows on a negative slot
 
 // --- real-KV fold descriptors (built by the host, one row per source layer) --
 // Row k of the descriptor array: [layer base address, bytes_per_token,

@@ -75,15 +75,31 @@ inline constexpr int SYNC_WORDS = 32;
 #define KVC_POLL_MAX_NS 1024
 #endif
 
-// T(table(rp, pos)), or -1 when unreadable: a negative table value, a slot
-// that wraps negative, a LUT index outside the LUT or a negative LUT value.
+inline constexpr i64 I64_MAX = 0x7FFFFFFFFFFFFFFFLL;
+
+// v * page for v, page >= 0, or -1 when the product does not fit int64. The high
+// word of the 128-bit product costs one instruction; a division would cost dozens.
+__device__ __forceinline__ i64 mul_or_neg(i64 v, i64 page) {
+    const u64 lo = (u64)v * (u64)page;
+    return (__umul64hi((u64)v, (u64)page) != 0 || (i64)lo < 0) ? -1 : (i64)lo;
+}
+
+// T(table(rp, pos)), or -1 when unreadable: a negative table value, a slot that
+// does not fit int64 (v * page + pos % page > 2**63 - 1: wrapping could land on
+// a valid slot), a LUT index outside the LUT or a negative LUT value.
 __device__ __forceinline__ i64 slot_at(const PlanArgs& a, i64 rp, i64 pos) {
     // page == 1 (a token-level table) skips the 64-bit division, dozens of instructions.
     const bool tokens = a.page == 1;
     i64 v = load_index(a.table, width_bit(a.widths, W_TABLE), rp * a.twidth + (tokens ? pos : pos / a.page));
     if (v < 0) return -1;
-    i64 s = tokens ? v : (i64)((u64)v * (u64)a.page + (u64)(pos % a.page));
-    if (s < 0) return -1;
+    i64 s = v;
+    if (!tokens) {
+        s = mul_or_neg(v, a.page);
+        if (s < 0) return -1;
+        // Both terms are < 2**63, so their sum fits u64 and overflows int64 iff its sign is set.
+        s = (i64)((u64)s + (u64)(pos % a.page));
+        if (s < 0) return -1;
+    }
     if (a.lut_len >= 0) {
         if (s >= a.lut_len) return -1;
         s = load_index(a.lut, width_bit(a.widths, W_LUT), s);
@@ -136,7 +152,9 @@ __device__ i64 scan_counts(i64* a, i64 n, i64 tail_end, i64* sh) {
 
 // Row r (thread 0 gets the results): validity, and the counts and seed it stores.
 __device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors) {
-    const i64 width = a.twidth * a.page;
+    // The table's width in positions, saturated: twidth * page may not fit int64.
+    i64 width = mul_or_neg(a.twidth, a.page);
+    if (width < 0) width = I64_MAX;
     i64 rp = load_index(a.rpi, width_bit(a.widths, W_RPI), r);
     i64 P = load_index(a.pre, width_bit(a.widths, W_PRE), r);
     i64 E = load_index(a.ext, width_bit(a.widths, W_EXT), r);

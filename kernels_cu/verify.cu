@@ -7,7 +7,8 @@
 // entry (see lanes_per_fingerprint); the other checks by the group's first
 // lane. A predecessor that is the previous entry's slot (every entry of a row
 // but its first) is not gathered again: its link comes from the lane below.
-// Counters go through a block reduction (one atomic per block);
+// Counters go through a block reduction (one atomic per block); a run whose
+// plan is not enabled adds one to verifies_skipped (block 0, beside kernel_runs);
 // violations through the warp-aggregated ring append. The batch row of an
 // entry is searched in the offsets only when the entry fails.
 //
@@ -33,7 +34,7 @@ struct VerifyArgs {
     i64* ring;  // [ring_capacity, 10]
     i64* head;
     i64 ring_capacity;
-    i64* counters;  // [3]
+    i64* counters;  // [NUM_COUNTERS]
     i64 tag;
     i64 check_tokens;
     const i64* folds;  // [num_folds, FOLD_DESC_WORDS], or null
@@ -55,7 +56,8 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
     __syncthreads();
     const i64 phase = s_phase;
 
-    i64 n = *a.enable == 1 ? *a.num_valid : 0;
+    const bool enabled = *a.enable == 1;
+    i64 n = enabled ? *a.num_valid : 0;
     if (n > a.capacity) n = a.capacity;
     if (n < 0) n = 0;
     const int g = kFp ? lanes_per_fingerprint(n, a.num_folds) : 1;
@@ -130,7 +132,11 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
     i64 sum = block_sum(checked, sh);
     if (threadIdx.x == 0) {
         if (sum != 0) atomicAdd((u64*)(a.counters + CTR_SLOTS_CHECKED), (u64)sum);
-        if (blockIdx.x == 0) atomicAdd((u64*)(a.counters + CTR_KERNEL_RUNS), 1ULL);
+        if (blockIdx.x == 0) {
+            atomicAdd((u64*)(a.counters + CTR_KERNEL_RUNS), 1ULL);
+            // An overflowed or never-planned plan checks nothing: count it, so it shows.
+            if (!enabled) atomicAdd((u64*)(a.counters + CTR_VERIFIES_SKIPPED), 1ULL);
+        }
         if (a.sample_state != nullptr) {
             __threadfence();
             if (atomicAdd((u64*)(a.sample_state + 1), 1ULL) == (u64)(gridDim.x - 1)) {

@@ -15,6 +15,9 @@
 //      record. A long prefill row is thus fingerprinted by the whole grid, not
 //      by its warp.
 // Without sources (kFp = false) phase A stores the fingerprint 0 itself.
+// Counters: each warp sums the slots it wrote and the tokens of its rows that
+// a negative slot skips, and adds each with one atomic at the end; block 0 adds
+// the run, and one to writes_skipped when the plan was never planned.
 #include "kvcanary_common.cuh"
 
 namespace kvc {
@@ -41,7 +44,7 @@ struct WriteArgs {
     i64* ring;
     i64* head;
     i64 ring_capacity;
-    i64* counters;
+    i64* counters;  // [NUM_COUNTERS]
     i64 tag;
     const i64* folds;  // or null
     i64 num_folds;
@@ -49,7 +52,7 @@ struct WriteArgs {
 
 template <bool kFp>
 __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool check_pos,
-                                          i64& written) {
+                                          i64& written, i64& skipped) {
     const unsigned lane = lane_id();
     const bool w_ids = width_bit(a.widths, W_IDS), w_pos = width_bit(a.widths, W_POS),
                w_loc = width_bit(a.widths, W_LOC);
@@ -116,6 +119,7 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
             else rec[1] = make_longlong2((i64)my_link, 0);
         }
         written += __popc(__ballot_sync(FULL_MASK, store));
+        skipped += __popc(__ballot_sync(FULL_MASK, in && s < 0));
         append_violation(a.ring, a.head, a.ring_capacity, bits != 0, a.tag, s, p, t, etok, my_link, my_link, bits, r,
                          epos);
         __syncwarp();
@@ -124,7 +128,8 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
 
 template <bool kFp>
 __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens(WriteArgs a) {
-    i64 nrows = *a.num_rows;
+    const i64 planned_rows = *a.num_rows;  // < 0: the plan was never planned
+    i64 nrows = planned_rows;
     if (nrows > a.max_batch) nrows = a.max_batch;
     if (nrows < 0) nrows = 0;
     const bool check_pos = *a.position_check != 0;
@@ -133,7 +138,7 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
     const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
     const i64 N = a.num_slots;
 
-    i64 written = 0;  // the same in every lane of a warp
+    i64 written = 0, skipped = 0;  // the same in every lane of a warp
     for (i64 r = warp0; r < nrows; r += warps) {
         const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1], seed = a.seeds[r];
         const bool span_bad = o0 < 0 || o1 > a.avail || o1 < o0;  // a reversed span: a forged plan
@@ -142,7 +147,7 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
                          span_bad ? -1 : seed, -1, -1, -1, 0, 0,
                          span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1);
         if (span_bad || seed_bad || o1 <= o0) continue;
-        chain_row<kFp>(a, r, o0, o1, seed, check_pos, written);
+        chain_row<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
     }
 
     if (kFp && nrows > 0) {
@@ -175,7 +180,12 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
     }
 
     if (lane == 0 && written != 0) atomicAdd((u64*)(a.counters + CTR_SLOTS_WRITTEN), (u64)written);
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd((u64*)(a.counters + CTR_KERNEL_RUNS), 1ULL);
+    if (lane == 0 && skipped != 0) atomicAdd((u64*)(a.counters + CTR_TOKENS_SKIPPED), (u64)skipped);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        atomicAdd((u64*)(a.counters + CTR_KERNEL_RUNS), 1ULL);
+        // A write plan that was never planned writes nothing: count it, so it shows.
+        if (planned_rows < 0) atomicAdd((u64*)(a.counters + CTR_WRITES_SKIPPED), 1ULL);
+    }
 }
 
 }  // namespace kvc

@@ -55,11 +55,18 @@ COL_BATCH_ROW = 8
 COL_EXPECTED_POSITION = 9
 
 # --- log counters ------------------------------------------------------------
-COUNTER_NAMES = ("kernel_runs", "slots_checked", "slots_written")
+# The last three make work that silently does nothing visible: a verify whose plan
+# is not enabled (overflowed or never planned), a write whose plan was never
+# planned (num_rows < 0), and tokens of live write rows parked on a negative slot.
+COUNTER_NAMES = ("kernel_runs", "slots_checked", "slots_written", "verifies_skipped", "writes_skipped",
+                 "tokens_skipped")
 NUM_COUNTERS = len(COUNTER_NAMES)
 CTR_KERNEL_RUNS = 0
 CTR_SLOTS_CHECKED = 1
 CTR_SLOTS_WRITTEN = 2
+CTR_VERIFIES_SKIPPED = 3
+CTR_WRITES_SKIPPED = 4
+CTR_TOKENS_SKIPPED = 5
 
 
 class FailReason(enum.IntFlag):

@@ -90,9 +90,11 @@ def test_header_constants_match_format():
     h = _header_constants()
     for name in ("RECORD_WORDS", "RECORD_BYTES", "FIELD_TOKEN", "FIELD_POSITION", "FIELD_LINK", "FIELD_FINGERPRINT",
                  "RESERVED_SLOT", "PADDING_REQ", "SPLITMIX_MUL1", "SPLITMIX_MUL2", "ANCHOR", "ANCHOR_HASH",
-                 "KV_CHUNK_BYTES", "VIOLATION_WORDS", "NUM_COUNTERS", "CTR_KERNEL_RUNS", "CTR_SLOTS_CHECKED",
-                 "CTR_SLOTS_WRITTEN"):
+                 "KV_CHUNK_BYTES", "VIOLATION_WORDS", "NUM_COUNTERS"):
         assert h[name] == getattr(fmt, name), name
+    for i, counter in enumerate(fmt.COUNTER_NAMES):
+        assert h[f"CTR_{counter.upper()}"] == getattr(fmt, f"CTR_{counter.upper()}") == i, counter
+    assert fmt.NUM_COUNTERS == len(fmt.COUNTER_NAMES)
     for i, col in enumerate(fmt.VIOLATION_COLUMNS):
         assert h[f"COL_{col.upper()}"] == i, col
     for reason in fmt.FailReason:
@@ -100,6 +102,18 @@ def test_header_constants_match_format():
             assert h[f"FAIL_{reason.name}"] == int(reason), reason.name
     for mode in fmt.RealKvMode:
         assert h[f"REAL_KV_{mode.name}"] == int(mode), mode.name
+
+
+def test_kernels_index_counters_by_name():
+    """Counters are indexed only through the header's CTR_* constants, and the
+    argument structs say how long the counter array is by name, not by a number."""
+    d = cuda_sources.kernels_dir()
+    for m in cuda_sources.MODULES.values():
+        text = (d / m.file).read_text()
+        for idx in re.findall(r"counters\s*(?:\+|\[)\s*([^)\]]+)", text):
+            assert idx.strip().startswith("CTR_"), f"{m.file}: counters indexed by {idx.strip()!r}"
+        for comment in re.findall(r"\bcounters;\s*//([^\n]*)", text):
+            assert "NUM_COUNTERS" in comment, f"{m.file}: counters array described as {comment.strip()!r}"
 
 
 def _struct_fields(file: str, struct: str) -> tuple:

@@ -95,6 +95,43 @@ def test_page_arithmetic_that_wraps_negative_is_unreadable(xp, device):
     check_plan(e, [1, 2], [1, 1], [1, 1], good={1: ([6], 6)}, errors=1, block_table=arr(xp, bt), page_size=2)
 
 
+I64_MAX = (1 << 63) - 1
+
+
+def test_page_arithmetic_that_wraps_onto_a_valid_slot_is_unreadable(xp, device):
+    # 2**61 * 8 and (2**62 + 1) * 4 wrap, mod 2**64, to the small slots 0.. and 4..: a
+    # wrapped slot must be unreadable like a negative one, not an alias of a valid one.
+    bt = np.array([[0], [1 << 61], [(1 << 62) + 1], [3]], dtype=np.int64)
+    for page in (8, 4):
+        e = env(xp, device)
+        rp = [1, 3] if page == 8 else [2, 3]
+        check_plan(e, rp, [2, 2], [1, 1], good={1: ([3 * page, 3 * page + 1], 3 * page + 1)}, errors=1,
+                   block_table=arr(xp, bt), page_size=page)
+
+
+def test_page_slot_at_the_int64_limit(xp, device):
+    # page 3: v * 3 = 2**63 - 2, so offsets 0 and 1 fit (the last is 2**63 - 1) and 2 is one past.
+    v = (I64_MAX - 1) // 3
+    bt = np.array([[0], [v], [v + 1]], dtype=np.int64)
+    e = env(xp, device)
+    kw = dict(block_table=arr(xp, bt), page_size=3)
+    check_plan(e, [1, 1, 2], [2, 3, 1], [1, 0, 0], good={0: ([I64_MAX - 1, I64_MAX], I64_MAX)}, errors=2, **kw)
+    # with a window of 1 the row reads positions 1 and 2: position 2 is one past the limit
+    check_plan(e, [1], [3], [0], good={}, errors=1, prior=2, swa=kc.SwaWindow(1, arr(xp, np.arange(N))), **kw)
+
+
+def test_huge_page_size_saturates_the_table_width(xp, device):
+    # 2 pages of 2**62 slots: the width, 2**63 positions, does not fit int64 and saturates to 2**63 - 1.
+    page = 1 << 62
+    bt = np.array([[0, 0], [1, 0], [2, 0]], dtype=np.int64)
+    e = env(xp, device)
+    good = {0: ([page, page + 1], page + 1), 2: ([page], page)}
+    check_plan(e, [1, 2, 1, 1], [2, 1, 1, 1], [1, 0, I64_MAX - 1, I64_MAX], good=good, errors=2,
+               block_table=arr(xp, bt), page_size=page)
+    # row 1: 2 * 2**62 does not fit; row 2 ends at 2**63 - 1, in the width; row 3 one past it
+    assert int(host(e.wp.offsets)[4]) == 1 + I64_MAX - 1
+
+
 def test_lut_out_of_range(xp, device):
     short = arr(xp, np.arange(31))  # ROW1[3] = 30 fits, ROW1[6] = 40 does not
     e = env(xp, device)

@@ -207,7 +207,7 @@ def _logs(rng):
     cap = int(rng.choice([3, 8, 4096]))  # small rings overflow: the kept rows must agree too
     log = kc.ViolationLog.allocate(capacity=cap)
     log.ring.fill(POISON)
-    log.counter_array[:] = [4, 5, 6]
+    log.counter_array[:] = np.arange(4, 4 + log.counter_array.shape[0])
     tlog = tb.TorchLog(ring=T(log.ring), head=T(log.head), counters=T(log.counter_array))
     return log, tlog
 

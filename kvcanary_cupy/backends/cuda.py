@@ -19,6 +19,10 @@ the first plan on a device allocates a chunk of launch states (256 bytes per
 plan, zeroed on the op's stream); the first call with a new set of real-KV sources uploads their
 fold descriptors; the first launch of a kernel family compiles (or loads from
 CuPy's cache) its module. Make those first calls before a graph capture.
+
+Lifetimes. A prepared launch (and its fold descriptors) is kept while every object
+it points into lives (canary, plans, log, sources, sampler), and dropped when any of
+them is collected; the cache never keeps one alive (see ``_launches``).
 """
 from __future__ import annotations
 
@@ -222,20 +226,77 @@ def _blocks(threads: int, resident: int) -> int:
     return max(1, min(-(-threads // BLOCK), resident))
 
 
-# Prepared launches live as long as the object whose buffers they point at (the canary,
-# or a plan): a captured graph may replay them at any time, so none is evicted while its
-# buffers exist, and none outlives them. The inner key must not hold the owner itself.
+# Prepared launches, per owner (the canary, or a plan) and per combination of the other
+# objects whose buffers a launch points at (plans, log, real-KV sources, sampler).
+#
+# An entry lives while its owner and every one of those objects live, and no longer:
+# its key holds their ids, never the objects, and a finalizer on each drops the entry
+# (with its fold table) as soon as any of them is collected. Holding them would keep
+# every KV pool ever passed alive, and a JAX engine passes a new pool array each step.
+# Dropping is safe for captured CUDA graphs: a graph that captured a launch also
+# captured the addresses of those objects' buffers (the pool's among them), so it
+# cannot meaningfully outlive them; keep the objects a graph uses, as any buffer a
+# graph reads. An id cannot be reused while its entry exists: the finalizer runs when
+# the object dies, before its memory (and id) can go to another object.
 _launches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _cached(owner, key, make) -> _Launch:
+class _Entry:
+    __slots__ = ("launch", "finalizers", "pinned")
+
+    def __init__(self, launch, finalizers, pinned):
+        self.launch = launch
+        self.finalizers = finalizers
+        self.pinned = pinned  # objects that take no weak reference: held, as before
+
+
+def _drop(per_ref, key) -> None:
+    """A watched object of entry ``key`` died: forget the entry and its other watches."""
+    per = per_ref()
+    e = per.entries.pop(key, None) if per is not None else None
+    if e is not None:
+        for f in e.finalizers:
+            f.detach()
+
+
+class _PerOwner:
+    """The entries of one owner. When the owner dies, so do the watches of its entries,
+    so a long-lived object (a log) does not collect finalizers of dead canaries."""
+
+    __slots__ = ("entries", "__weakref__")
+
+    def __init__(self):
+        self.entries: dict = {}
+
+    @staticmethod
+    def release(entries: dict) -> None:
+        for e in entries.values():
+            for f in e.finalizers:
+                f.detach()
+        entries.clear()
+
+
+def _cached(owner, objects: tuple, scalars: tuple, make) -> _Launch:
+    """The launch of ``owner`` for ``objects`` (compared by identity) and ``scalars``
+    (by value), made by ``make()`` on first use."""
     per = _launches.get(owner)
     if per is None:
-        per = _launches[owner] = {}
-    L = per.get(key)
-    if L is None:
-        L = per[key] = make()
-    return L
+        per = _launches[owner] = _PerOwner()
+        weakref.finalize(owner, _PerOwner.release, per.entries).atexit = False
+    key = (tuple(map(id, objects)), scalars)
+    e = per.entries.get(key)
+    if e is None:
+        L = make()
+        finalizers, pinned, per_ref = [], [], weakref.ref(per)
+        for o in {id(o): o for o in objects if o is not None and o is not owner}.values():
+            try:
+                finalizers.append(weakref.finalize(o, _drop, per_ref, key))
+            except TypeError:
+                pinned.append(o)
+        for f in finalizers:
+            f.atexit = False  # nothing to release at exit
+        e = per.entries[key] = _Entry(L, finalizers, pinned)
+    return e.launch
 
 
 # --- real-KV fold descriptors -------------------------------------------------
@@ -279,7 +340,7 @@ def _sync_state(owner, dev: int, stream: int) -> int:
 
 def _plan_launch(vp, wp, stream: int) -> _Launch:
     owner, other = (vp, wp) if vp is not None else (wp, None)
-    return _cached(owner, other, lambda: _make_plan_launch(vp, wp, owner, stream))
+    return _cached(owner, (other,), ("plan",), lambda: _make_plan_launch(vp, wp, owner, stream))
 
 
 def _make_plan_launch(vp, wp, owner, stream: int) -> _Launch:
@@ -384,7 +445,7 @@ def bind_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sou
         if stream is None:
             stream = _runtime().default_stream()
         if not bound:
-            L = _cached(canary, (wp, log, sources, mode, tag),
+            L = _cached(canary, (wp, log, *sources), ("write", mode, tag),
                         lambda: _make_write_launch(canary, wp, log, tag, sources, mode, stream))
             resident, row_threads, lanes = L.grids
             bound[:] = [L, (_blocks(max(row_threads, avail * lanes), resident),)]
@@ -421,7 +482,7 @@ def bind_verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
         if stream is None:
             stream = _runtime().default_stream()
         if not bound:
-            bound.append(_cached(canary, (vp, log, sources, mode, tag, check_tokens, sample),
+            bound.append(_cached(canary, (vp, log, sample, *sources), ("verify", mode, tag, check_tokens),
                                  lambda: _make_verify_launch(canary, vp, log, tag, sources, mode, check_tokens,
                                                              sample, stream)))
         L = bound[0]

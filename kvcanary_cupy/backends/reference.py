@@ -2,6 +2,9 @@
 
 Vectorized over batch rows and plan entries; only the write chain, which is
 serial within a row by definition, loops over token index (all rows at once).
+The plan, like the kernel, first decides each row's validity and counts and
+builds entries only if they fit the capacity, both in chunks of table positions,
+so its memory does not grow with what a batch asks for.
 Every index that comes from data is range-checked before it is used, so bad data
 becomes a counted input error or a SLOT_OUT_OF_RANGE violation, never an
 IndexError or a wrong read.
@@ -17,6 +20,8 @@ _I64 = np.int64
 _U64 = np.uint64
 _ANCHOR_HASH = _U64(fmt.ANCHOR_HASH)
 _FP_BLOCK = 1 << 16  # entries fingerprinted per block, to bound temporary memory
+_PLAN_CHUNK = 1 << 18  # table positions a plan reads per chunk, to bound temporary memory
+_I64_MAX = np.int64(np.iinfo(np.int64).max)
 
 
 # --- helpers -----------------------------------------------------------------
@@ -84,10 +89,28 @@ def _translate(vals: np.ndarray, lut) -> tuple[np.ndarray, np.ndarray]:
 
 def _slots_at(table, page_size, rows, pos, lut):
     """T(table(rp, pos)) for arrays rows/pos already known to be inside the table."""
+    if page_size == 1:
+        return _translate(table[rows, pos].astype(_I64), lut)
     vals = table[rows, pos // page_size].astype(_I64)
-    if page_size != 1:
-        vals = np.where(vals < 0, vals, vals * _I64(page_size) + pos % page_size)
-    return _translate(vals, lut)
+    off = pos % page_size
+    # v * page + off must fit int64: a wrapped slot could land on a valid one.
+    fits = (vals >= 0) & (vals <= (_I64_MAX - off) // page_size)
+    return _translate(np.where(fits, np.where(fits, vals, 0) * page_size + off, -1), lut)
+
+
+def _spans(lengths: np.ndarray):
+    """The items of per-row spans of ``lengths[r]`` items, laid back to back, in
+    chunks of at most ``_PLAN_CHUNK``: yields ``(lo, row, j)``, the chunk's first
+    item and, per item, its row and its index within the row. A long row spans
+    several chunks, so no chunk's arrays grow with the batch or a row."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    total = int(ends[-1]) if ends.shape[0] else 0
+    for lo in range(0, total, _PLAN_CHUNK):
+        hi = min(lo + _PLAN_CHUNK, total)
+        rows = np.arange(np.searchsorted(ends, lo, side="right"), np.searchsorted(ends, hi - 1, side="right") + 1)
+        n = np.minimum(ends[rows], hi) - np.maximum(starts[rows], lo)
+        yield lo, np.repeat(rows, n), np.arange(lo, hi, dtype=_I64) - np.repeat(starts[rows], n)
 
 
 def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected, stream=None):
@@ -96,7 +119,7 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
     P = prefix_lens[:bs].astype(_I64)
     E = extend_lens[:bs].astype(_I64)
     nreq, twidth = table.shape
-    width = twidth * page_size
+    width = min(twidth * page_size, int(_I64_MAX))  # saturated: the product may not fit int64
     lut = swa.lut if swa is not None else None
 
     active = rp != fmt.PADDING_REQ
@@ -104,36 +127,23 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
     if expected is not None:
         ok &= rp < expected.table.shape[0]
     start = np.maximum(P - swa.size, 0) if swa is not None else np.zeros_like(P)
-    count = np.where(ok, P - start, 0)
 
-    # Entries of all structurally valid rows, then drop rows with an unreadable slot.
-    row_of = np.repeat(np.arange(bs, dtype=_I64), count)
-    first = np.concatenate(([0], np.cumsum(count)))[:-1]
-    pos = np.arange(row_of.shape[0], dtype=_I64) - first[row_of] + start[row_of]
-    rrow = rp[row_of]
-    slot, bad = _slots_at(table, page_size, rrow, pos, lut)
-    has_prev = pos > 0
-    prev = np.full(pos.shape, -1, dtype=_I64)
-    ps, pbad = _slots_at(table, page_size, rrow[has_prev], pos[has_prev] - 1, lut)
-    prev[has_prev] = ps
-    bad[has_prev] |= pbad
+    # Phase 1, like the kernel's rows phase: a row is valid iff every slot it reads is
+    # readable, positions [max(start - 1, 0), P) (window, the head's predecessor and
+    # the seed at P - 1). Only counts come out, so memory stays bounded by the chunk
+    # whatever the batch asks for.
+    lo = np.where(ok, np.maximum(start - 1, 0), 0)
     row_bad = np.zeros(bs, dtype=bool)
-    row_bad[row_of[bad]] = True
-
-    W = np.where(ok, E, 0)
-    wants_seed = ok & (P > 0) & (W > 0)
-    seed = np.full(bs, -1, dtype=_I64)
-    idx = np.nonzero(wants_seed)[0]
-    sv, sbad = _slots_at(table, page_size, rp[idx], P[idx] - 1, lut)
-    seed[idx] = sv
-    row_bad[idx[sbad]] = True
-
+    for _, row, j in _spans(np.where(ok, P - lo, 0)):
+        _, bad = _slots_at(table, page_size, rp[row], lo[row] + j, lut)
+        row_bad[row[bad]] = True
     ok &= ~row_bad
     errors = int(np.count_nonzero(active & ~ok))
-    keep = ok[row_of]
-    count = np.where(ok, count, 0)
-    W = np.where(ok, W, 0)
-    seed = np.where(ok, seed, -1)
+    count = np.where(ok, P - start, 0)
+    W = np.where(ok, E, 0)
+    seed = np.full(bs, -1, dtype=_I64)
+    idx = np.nonzero(ok & (P > 0) & (W > 0))[0]
+    seed[idx] = _slots_at(table, page_size, rp[idx], P[idx] - 1, lut)[0]
 
     if vp is not None:
         total = int(count.sum())
@@ -146,17 +156,25 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
         vp.enable[0] = 1 if total <= cap else 0
         vp.input_errors[0] += errors
         if total <= cap:
-            e_row, e_pos = row_of[keep], pos[keep]
-            vp.slot_indices[:total] = slot[keep]
-            vp.prev_slot_indices[:total] = prev[keep]
-            vp.expected_positions[:total] = e_pos
-            tok = np.full(total, -1, dtype=_I64)
+            # Phase 2: the entries, only now that they are known to fit.
+            lim = None
             if expected is not None:
-                k = e_pos + expected.offset
-                lim = np.minimum(expected.valid_lens[:bs].astype(_I64)[e_row], expected.table.shape[1])
-                m = (k >= 0) & (k < lim)
-                tok[m] = expected.table[rp[e_row[m]], k[m]]
-            vp.expected_tokens[:total] = tok
+                lim = np.minimum(expected.valid_lens[:bs].astype(_I64), expected.table.shape[1])
+            for e0, row, j in _spans(count):
+                e1 = e0 + row.shape[0]
+                rrow, pos = rp[row], start[row] + j
+                vp.slot_indices[e0:e1] = _slots_at(table, page_size, rrow, pos, lut)[0]
+                prev = np.full(pos.shape, -1, dtype=_I64)
+                has_prev = pos > 0
+                prev[has_prev] = _slots_at(table, page_size, rrow[has_prev], pos[has_prev] - 1, lut)[0]
+                vp.prev_slot_indices[e0:e1] = prev
+                vp.expected_positions[e0:e1] = pos
+                tok = np.full(pos.shape, -1, dtype=_I64)
+                if expected is not None:
+                    k = pos + expected.offset
+                    m = (k >= 0) & (k < lim[row])
+                    tok[m] = expected.table[rrow[m], k[m]]
+                vp.expected_tokens[e0:e1] = tok
     if wp is not None:
         offs = np.concatenate(([0], np.cumsum(W)))
         wp.offsets[: bs + 1] = offs
@@ -172,11 +190,14 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
           expected_tokens, expected_positions, stream=None):
     rec = canary.records
     N = rec.shape[0]
+    planned_rows = int(wp.num_rows[0])
     # A forged row count never reads past the plan's arrays.
-    nrows = max(0, min(int(wp.num_rows[0]), wp.seed_slots.shape[0]))
+    nrows = max(0, min(planned_rows, wp.seed_slots.shape[0]))
     offs = wp.offsets[: nrows + 1].astype(_I64)
     seeds = wp.seed_slots[:nrows].astype(_I64)
     log.counter_array[fmt.CTR_KERNEL_RUNS] += 1
+    if planned_rows < 0:  # never planned: nothing to write, but it must show
+        log.counter_array[fmt.CTR_WRITES_SKIPPED] += 1
     if nrows == 0:
         return
     o0, o1 = offs[:-1], offs[1:]
@@ -219,6 +240,7 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
     j_of = np.arange(row_l.shape[0]) - np.repeat(np.cumsum(lens) - lens, lens)
     tok_idx = o0[live][row_l] + j_of
     loc = out_cache_loc[tok_idx].astype(_I64)
+    log.counter_array[fmt.CTR_TOKENS_SKIPPED] += int(np.count_nonzero(loc < 0))
     toks = input_ids[tok_idx].astype(_I64)
     poss = positions[tok_idx].astype(_I64)
     stored_link = np.zeros(row_l.shape[0], dtype=_U64)
@@ -288,7 +310,10 @@ def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample, stream=
     if sample is not None:
         phase = int(sample.state[0]) % sample.period
         sample.state[0] += 1
-    n = int(vp.num_valid[0]) if int(vp.enable[0]) == 1 else 0
+    enabled = int(vp.enable[0]) == 1
+    if not enabled:  # overflowed or never planned: nothing is checked, but it must show
+        log.counter_array[fmt.CTR_VERIFIES_SKIPPED] += 1
+    n = int(vp.num_valid[0]) if enabled else 0
     n = max(0, min(n, vp.capacity))
     if n == 0:
         return

@@ -123,7 +123,7 @@ class TorchWritePlan:
 
 @dataclass(eq=False)
 class TorchLog:
-    """A violation ring ``[capacity, 10]``, its append index ``[1]`` and counters ``[3]``."""
+    """A violation ring ``[capacity, 10]``, its append index ``[1]`` and counters ``[NUM_COUNTERS]``."""
 
     ring: object
     head: object
@@ -355,6 +355,8 @@ def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, l
     dev = records.device
     N = int(records.shape[0])
     log.counters[fmt.CTR_KERNEL_RUNS] += 1
+    if int(wp.num_rows[0]) < 0:  # never planned
+        log.counters[fmt.CTR_WRITES_SKIPPED] += 1
     nrows = max(0, min(int(wp.num_rows[0]), int(wp.seed_slots.shape[0])))  # a forged count reads nothing extra
     if nrows == 0:
         return
@@ -387,6 +389,7 @@ def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, l
     valid = jj[None, :] < lens[:, None]
     tidx = torch.where(valid, o0[:, None] + jj[None, :], 0)
     loc = torch.where(valid, out_cache_loc[tidx].long(), -1)
+    log.counters[fmt.CTR_TOKENS_SKIPPED] += int((valid & (loc < 0)).sum())
     toks = input_ids[tidx].long()
     poss = positions[tidx].long()
 
@@ -466,6 +469,8 @@ def verify(records, vp: TorchVerifyPlan, *, log: TorchLog, tag: int, sources=(),
         phase = int(state[0]) % period
         state[0] += 1
     n = int(vp.num_valid[0]) if int(vp.enable[0]) == 1 else 0
+    if int(vp.enable[0]) != 1:  # overflowed or never planned
+        log.counters[fmt.CTR_VERIFIES_SKIPPED] += 1
     n = max(0, min(n, vp.capacity))
     if n == 0:
         return

@@ -5,8 +5,10 @@ page-level table, SWA window and LUT, expected tokens, real-KV sources with a
 layer axis, corrupted records / KV bytes / tables / plans, out-of-range data of
 every kind, int32 and int64 indices), copies it to both backends and runs
 plan -> scatter_expected_tokens -> write -> verify (sometimes twice, sampled),
-comparing after every op: canary bytes, plan arrays and scalars, counters,
-violation rows as multisets (the GPU appends in no fixed order).
+comparing after every op: canary bytes, plan arrays and scalars, counters
+(skipped verifies, writes and tokens included), violation rows as multisets
+(the GPU appends in no fixed order). Page ids whose slot does not fit int64,
+some wrapping onto small valid slots, must make their rows input errors alike.
 
 Rows of one step never write a slot another row writes or reads (the order
 between rows is a race on a GPU by nature); within a row duplicates occur.
@@ -150,9 +152,16 @@ def gen_case(rng, scale: float = 1.0) -> dict:
             elif kind == 6 and 0 < rps[r] < nreq and 0 < P[r] <= width_pos:
                 table[rps[r], int(rng.integers(0, -(-P[r] // page)))] = -int(rng.integers(1, 5))
             elif kind == 7 and 0 < rps[r] < nreq and 0 < P[r] <= width_pos:
-                # page-level: a page id whose slot wraps negative; token-level: a slot past the pool
-                table[rps[r], int(rng.integers(0, -(-P[r] // page)))] = (1 << 63) // page + 5 \
-                    if page > 1 else num_slots + 100
+                # page-level: a page id whose slot does not fit int64, wrapping mod 2**64 either
+                # negative or (page >= 4) onto a small, valid-looking slot; token-level: a slot
+                # past the pool
+                if page == 1:
+                    v = num_slots + 100
+                elif page >= 4 and rng.random() < 0.5:
+                    v = (1 << 64) // page + int(rng.integers(0, 3))
+                else:
+                    v = (1 << 63) // page + 5
+                table[rps[r], int(rng.integers(0, -(-P[r] // page)))] = v
     if swa and rng.random() < 0.3:
         lut = c["swa"][1]
         lut[rng.integers(0, lut.shape[0], size=2)] = -1
@@ -491,6 +500,7 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
         reverse = rng.random() < 0.1 and bs > 0  # a forged reversed span (last row: no overlap)
         rev_by = int(rng.integers(1, 3))
         pcheck = 0 if rng.random() < 0.2 else 1
+        unplanned = rng.random() < 0.05  # as never planned: nothing written, writes_skipped counts it
         w_sources = R["sources"] if rng.random() < 0.8 else ()
         mode = c["mode"] if w_sources else RealKvMode.NONE
         for st in (R, D):
@@ -500,6 +510,8 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
             if reverse:
                 st["wp"].offsets[bs:bs + 1] = int(wo[bs - 1]) - rev_by
             st["wp"].position_check.fill(pcheck)
+            if unplanned:
+                st["wp"].num_rows.fill(-1)
             srcs = st["sources"] if w_sources else ()
             d = side.to_dev
             side.backend.write(st["canary"], st["wp"], input_ids=d(ids), positions=d(pos), out_cache_loc=d(loc),
