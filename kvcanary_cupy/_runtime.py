@@ -63,6 +63,22 @@ def synchronize(device: str, ptr=None) -> None:
         _cupy_stream(ptr).synchronize()
 
 
+def mark(device: str, ptr):
+    """An event recorded on stream ``ptr`` now (None on the CPU): see :func:`wait`."""
+    if is_cpu(device):
+        return None
+    cp = __import__("cupy")
+    ev = cp.cuda.Event(disable_timing=True)
+    ev.record(_cupy_stream(ptr))
+    return ev
+
+
+def wait(event) -> None:
+    """Wait until the work queued before ``event`` (from :func:`mark`) is done."""
+    if event is not None:
+        event.synchronize()
+
+
 def put(dst, src, ptr=None) -> None:
     """Copy ``src`` (NumPy or an array of ``dst``'s kind) into ``dst`` without allocating on the device."""
     if isinstance(dst, np.ndarray):

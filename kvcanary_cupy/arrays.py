@@ -30,8 +30,13 @@ _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
 
 def _cupy():
-    import cupy  # noqa: PLC0415  (lazy on purpose: the package loads without it)
-
+    try:
+        import cupy  # noqa: PLC0415  (lazy on purpose: the package loads without it)
+    except ImportError as e:
+        raise ValueError(
+            "kvcanary: device: a CUDA device needs CuPy, which is not installed here "
+            f"({e}); install the extra that matches the driver, pip install 'kvcanary_cupy[cuda13]' "
+            "(or [cuda12]), or pass device='cpu' for the NumPy backend") from None
     return cupy
 
 
@@ -49,13 +54,31 @@ def parse_device(device) -> tuple[str, int | None]:
     if device is None or device == "cpu":
         return ("cpu", None)
     if isinstance(device, str) and (device == "cuda" or device.startswith("cuda:")):
-        if device == "cuda":
-            return ("cuda", int(_cupy().cuda.runtime.getDevice()))
-        try:
-            return ("cuda", int(device[5:]))
-        except ValueError:
-            pass
-    raise ValueError(f"kvcanary: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        idx = None
+        if device != "cuda":
+            try:
+                idx = int(device[5:])
+            except ValueError:
+                idx = -1
+        if idx is None or idx >= 0:
+            return ("cuda", _working_device(device, idx))
+    raise ValueError(f"kvcanary: device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def _working_device(device: str, idx: int | None) -> int:
+    """The ordinal of a CUDA device CuPy can use (``idx``, or the current one), or a
+    ``kvcanary:`` error that says what to install or pass instead."""
+    cp = _cupy()
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+        if idx is None:
+            idx = int(cp.cuda.runtime.getDevice())
+    except Exception as e:  # noqa: BLE001  (CUDARuntimeError: no driver, no device, broken install)
+        raise ValueError(f"kvcanary: device: {device!r} needs a working CUDA device, but CuPy found none "
+                         f"({type(e).__name__}: {e}); pass device='cpu' for the NumPy backend") from None
+    if not 0 <= idx < count:
+        raise ValueError(f"kvcanary: device: {device!r} is not one of the {count} CUDA device(s) CuPy sees")
+    return idx
 
 
 def device_of(a) -> str:
@@ -91,6 +114,68 @@ def empty(shape, dtype, device: str, fill=None):
     if fill is not None:
         a.fill(fill)
     return a
+
+
+# --- scalar arguments ---------------------------------------------------------
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_int(x, name: str, *, minimum: int | None = None, maximum: int = _INT64_MAX) -> int:
+    """A size, count or offset: a Python or NumPy integer (never a float, a bool or a
+    string, which ``int()`` would silently truncate or parse) in ``[minimum, maximum]``."""
+    if not _is_int(x):
+        raise TypeError(f"kvcanary: {name}: expected an integer, got {type(x).__name__} {x!r}")
+    v = int(x)
+    if (minimum is not None and v < minimum) or v > maximum:
+        lo = "" if minimum is None else f">= {minimum}"
+        hi = "" if maximum == _INT64_MAX else f"<= {maximum}"
+        raise ValueError(f"kvcanary: {name}: expected an integer {' and '.join(w for w in (lo, hi) if w)}, got {v}")
+    return v
+
+
+def check_flag(x, name: str) -> bool:
+    """A switch: ``True`` or ``False`` (a string such as ``'no'`` is truthy, so none is taken)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"kvcanary: {name}: expected True or False, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def check_tag(x, name: str = "tag") -> int:
+    """A launch tag: an integer (e.g. a :class:`~kvcanary_cupy.LaunchTag`) that fits the
+    int64 column of a violation row."""
+    if not _is_int(x):
+        raise TypeError(f"kvcanary: {name}: expected an integer such as a LaunchTag, got {type(x).__name__} {x!r}")
+    return check_int(x, name, minimum=_INT64_MIN)
+
+
+# --- memory ranges --------------------------------------------------------------
+def byte_range(a) -> tuple[str, int, int]:
+    """(device, first byte, one past the last byte) that array ``a`` can touch."""
+    lo = hi = data_ptr(a)
+    if a.size:
+        for n, st in zip(a.shape, a.strides):
+            if st < 0:
+                lo += st * (n - 1)
+            else:
+                hi += st * (n - 1)
+        hi += a.itemsize
+    return device_of(a), lo, hi
+
+
+def check_disjoint(owner: str, named: dict) -> None:
+    """Refuse two arrays that share memory: an op writing one would change the other
+    (one array passed for two fields makes the kernels race with themselves). Address
+    ranges are compared, not object identity, so two views of one buffer are caught."""
+    spans = [(name, byte_range(a)) for name, a in named.items() if a is not None and a.size]
+    for i, (n1, (d1, lo1, hi1)) in enumerate(spans):
+        for n2, (d2, lo2, hi2) in spans[i + 1:]:
+            if d1 == d2 and lo1 < hi2 and lo2 < hi1:
+                raise ValueError(f"kvcanary: {owner}: {n1} and {n2} share memory; expected a separate "
+                                 "array for each")
 
 
 # --- import ------------------------------------------------------------------
@@ -375,7 +460,7 @@ def to_host(a) -> np.ndarray:
 
 
 # --- streams -----------------------------------------------------------------
-def _is_torch(obj) -> bool:
+def is_torch(obj) -> bool:
     return type(obj).__module__.startswith("torch")
 
 
@@ -389,7 +474,7 @@ def resolve_stream(stream, inputs: Iterable[Any] = ()):
     if stream is None:
         if "torch" in sys.modules:
             for x in inputs:
-                if _is_torch(x) and getattr(x, "is_cuda", False):
+                if is_torch(x) and getattr(x, "is_cuda", False):
                     return int(sys.modules["torch"].cuda.current_stream(x.device).cuda_stream)
         return int(_cupy().cuda.get_current_stream().ptr)
     if isinstance(stream, int):

@@ -27,7 +27,8 @@ class CanaryBuffer:
     records: object
 
     def __post_init__(self):
-        r = arrays.as_array(self.records, "records", dtypes=arrays.INT64, ndim=2)
+        # write stores records at raw addresses: the array must be writable and packed.
+        r = arrays.as_array(self.records, "records", dtypes=arrays.INT64, ndim=2, writable=True)
         if r.shape[1] != RECORD_WORDS:
             raise ValueError(f"kvcanary: records: expected shape [num_slots, {RECORD_WORDS}], got {tuple(r.shape)}")
         if r.shape[0] < 1:
@@ -36,9 +37,8 @@ class CanaryBuffer:
 
     @classmethod
     def allocate(cls, *, num_slots: int, device: str = "cpu") -> "CanaryBuffer":
-        if int(num_slots) < 1:
-            raise ValueError(f"kvcanary: num_slots: expected >= 1, got {num_slots}")
-        return cls(arrays.empty((int(num_slots), RECORD_WORDS), np.int64, device, fill=0))
+        num_slots = arrays.check_int(num_slots, "num_slots", minimum=1)
+        return cls(arrays.empty((num_slots, RECORD_WORDS), np.int64, device, fill=0))
 
     @property
     def num_slots(self) -> int:
@@ -78,21 +78,21 @@ class RealKvSource:
         (2, 64)
     """
 
-    __slots__ = ("data", "page_size", "bytes_per_token", "read_bytes", "num_layers", "layer_bytes")
+    __slots__ = ("data", "page_size", "bytes_per_token", "read_bytes", "num_layers", "layer_bytes", "__weakref__")
 
     def __init__(self, tensor, page_size: int = 1, bytes_per_token: int | None = None,
                  read_bytes: int | None = None, *, layer_axis: bool = False):
+        if tensor is None or isinstance(tensor, RealKvSource):
+            raise TypeError(f"kvcanary: tensor: expected the KV pool array, got {type(tensor).__name__}")
         flat = arrays.as_byte_view(tensor, "tensor")
-        num_layers = _leading_dim(tensor) if layer_axis else 1
+        num_layers = _leading_dim(tensor) if arrays.check_flag(layer_axis, "layer_axis") else 1
         if num_layers < 1 or flat.shape[0] % num_layers:
             raise ValueError(f"kvcanary: tensor: a layer axis of {num_layers} does not divide {flat.shape[0]} bytes")
-        page_size = int(page_size)
-        if page_size < 1:
-            raise ValueError(f"kvcanary: page_size: expected >= 1, got {page_size}")
+        page_size = arrays.check_int(page_size, "page_size", minimum=1)
         if bytes_per_token is None:
             raise ValueError("kvcanary: bytes_per_token: expected the bytes of one slot (a multiple of 16), got None")
-        bpt = int(bytes_per_token)
-        rb = bpt if read_bytes is None else int(read_bytes)
+        bpt = arrays.check_int(bytes_per_token, "bytes_per_token")
+        rb = bpt if read_bytes is None else arrays.check_int(read_bytes, "read_bytes")
         if bpt <= 0 or bpt % KV_CHUNK_BYTES:
             raise ValueError(f"kvcanary: bytes_per_token: expected a positive multiple of 16, got {bpt}")
         if rb <= 0 or rb % KV_CHUNK_BYTES or rb > bpt:

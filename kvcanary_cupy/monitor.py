@@ -9,13 +9,13 @@ late through pinned copies.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import sys
 import warnings
-from collections import OrderedDict
 from typing import Callable, Sequence
 
 import numpy as np
@@ -23,8 +23,8 @@ import numpy as np
 from . import _runtime, arrays, ops
 from ._sweep import SweepChain, SweepPlanner
 from .canary import CanaryBuffer, RealKvSource
-from .format import LaunchTag, RealKvMode
-from .plans import ExpectedTokens, FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
+from .format import COUNTER_NAMES, LaunchTag, RealKvMode
+from .plans import ExpectedTokens, FingerprintSampler, SwaWindow, VerifyPlan, WritePlan, check_token_offset
 from .violations import Violation, ViolationLog
 
 __all__ = ["KvCanary", "KvCanaryError", "KvCanaryWarning", "SwaGroup", "SweepChain"]
@@ -117,6 +117,7 @@ class _Group:
         self.canary = CanaryBuffer.allocate(num_slots=num_slots, device=device)
         self.sc = arrays.empty((_NUM_SCALARS,), np.int64, device, fill=0)
         self.sc[_POSITION_CHECK:_POSITION_CHECK + 1].fill(1)
+        self.sc[_NUM_ROWS:_NUM_ROWS + 1].fill(-1)  # never planned, like WritePlan.allocate
         self.hard_capacity = hard_capacity
         self.vp = self._verify_plan(capacity, offsets=arrays.empty((max_batch + 1,), np.int64, device, fill=0))
         self.wp = WritePlan.from_buffers(
@@ -263,33 +264,28 @@ class KvCanary:
         kind, _ = arrays.parse_device(device)
         self.device = "cpu" if kind == "cpu" else arrays.device_of(arrays.empty((1,), np.int64, device))
         self.xp = arrays.array_module(self.device)
-        if int(max_batch) < 1:
-            raise ValueError(f"kvcanary: max_batch: expected >= 1, got {max_batch}")
-        self.max_batch = int(max_batch)
-        if int(num_slots) < 1:
-            raise ValueError(f"kvcanary: num_slots: expected >= 1, got {num_slots}")
+        self.max_batch = arrays.check_int(max_batch, "max_batch", minimum=1)
+        num_slots = arrays.check_int(num_slots, "num_slots", minimum=1)
+        draft = arrays.check_flag(draft, "draft")
+        ring_capacity = arrays.check_int(ring_capacity, "ring_capacity", minimum=1)
+        sweep_budget = arrays.check_int(sweep_budget, "sweep_budget", minimum=1)
+        sweep_max_chains = arrays.check_int(sweep_max_chains, "sweep_max_chains", minimum=1)
+        history = arrays.check_int(history, "history", minimum=1)
+        if fingerprint_sample_period is not None:
+            fingerprint_sample_period = arrays.check_int(fingerprint_sample_period, "fingerprint_sample_period",
+                                                         minimum=1)
+        if max_tokens is not None:
+            max_tokens = arrays.check_int(max_tokens, "max_tokens", minimum=0)
 
         # --- the slot table, bound once -------------------------------------
-        if (req_to_token is None) == (block_table is None):
-            raise ValueError("kvcanary: KvCanary: pass exactly one slot table, req_to_token= or block_table= "
-                             "(with page_size=)")
-        if req_to_token is not None:
-            if page_size not in (None, 1):
-                raise ValueError(f"kvcanary: page_size: only meaningful with block_table=, got {page_size}")
-            self._table_kw = "req_to_token"
-            self.table = arrays.as_index_array(req_to_token, "req_to_token", ndim=2, device=self.device)
-            self.page_size = 1
-        else:
-            if page_size is None or int(page_size) < 1:
-                raise ValueError(f"kvcanary: page_size: block_table= needs page_size >= 1, got {page_size}")
-            self._table_kw = "block_table"
-            self.table = arrays.as_index_array(block_table, "block_table", ndim=2, device=self.device)
-            self.page_size = int(page_size)
-        self._torch_inputs = arrays._is_torch(req_to_token if req_to_token is not None else block_table)
-        width = int(self.table.shape[1]) * self.page_size
+        self._table_kw, table, self.page_size = ops.slot_table(req_to_token, block_table, page_size)
+        self.table = arrays.as_index_array(table, self._table_kw, ndim=2, device=self.device)
+        self._torch_inputs = arrays.is_torch(table)
+        width = min(int(self.table.shape[1]) * self.page_size, (1 << 63) - 1)
 
         # --- expected tokens --------------------------------------------------
-        self.token_offset = int(token_offset if token_offset is not None else (1 if draft else 0))
+        self.token_offset = check_token_offset(token_offset if token_offset is not None else (1 if draft else 0),
+                                               "token_offset")
         self._valid_lens = arrays.empty((self.max_batch,), np.int64, self.device, fill=0)
         self.expected_table = None
         self._expected = None
@@ -298,35 +294,37 @@ class KvCanary:
             self._expected = ExpectedTokens(self.expected_table, self._valid_lens, self.token_offset)
 
         # --- groups -----------------------------------------------------------
-        srcs = (real_kv,) if isinstance(real_kv, RealKvSource) else tuple(real_kv or ())
-        mode = RealKvMode(real_kv_mode) if real_kv_mode is not None else (
+        srcs = ops.source_tuple(real_kv)
+        mode = ops.real_kv_mode_of(real_kv_mode) if real_kv_mode is not None else (
             RealKvMode.PARTIAL if srcs else RealKvMode.NONE)
-        self.grow_on_overflow = bool(grow_on_overflow)
-        self.verify_after = bool(verify_after)
-        cap, hard = _capacity_rule(verify_capacity, max_batch=self.max_batch, width=width, num_slots=int(num_slots),
+        self.grow_on_overflow = arrays.check_flag(grow_on_overflow, "grow_on_overflow")
+        self.verify_after = arrays.check_flag(verify_after, "verify_after")
+        cap, hard = _capacity_rule(verify_capacity, max_batch=self.max_batch, width=width, num_slots=num_slots,
                                    window=None, name="verify_capacity")
         tags = ((LaunchTag.VERIFY_DRAFT, LaunchTag.WRITE_DRAFT, LaunchTag.VERIFY_AFTER) if draft else
                 (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.VERIFY_AFTER))
-        self.main = _Group("main", num_slots=int(num_slots), device=self.device, max_batch=self.max_batch,
+        self.main = _Group("main", num_slots=num_slots, device=self.device, max_batch=self.max_batch,
                            capacity=cap, hard_capacity=hard, swa=None, sources=srcs, mode=mode,
                            sample_period=fingerprint_sample_period, tags=tags)
         self.swa = None
         if swa is not None:
             if not isinstance(swa, SwaGroup):
                 raise TypeError(f"kvcanary: swa: expected a SwaGroup, got {type(swa).__name__}")
-            window = SwaWindow(swa.window, arrays.as_index_array(swa.lut, "swa.lut", device=self.device))
-            ssrcs = (swa.real_kv,) if isinstance(swa.real_kv, RealKvSource) else tuple(swa.real_kv or ())
-            smode = RealKvMode(swa.real_kv_mode) if swa.real_kv_mode is not None else (
+            window = SwaWindow(arrays.check_int(swa.window, "swa.window", minimum=1),
+                               arrays.as_index_array(swa.lut, "swa.lut", device=self.device))
+            swa_slots = arrays.check_int(swa.num_slots, "swa.num_slots", minimum=1)
+            ssrcs = ops.source_tuple(swa.real_kv, "swa.real_kv")
+            smode = ops.real_kv_mode_of(swa.real_kv_mode, "swa.real_kv_mode") if swa.real_kv_mode is not None else (
                 mode if ssrcs else RealKvMode.NONE)
             scap, shard = _capacity_rule(swa.verify_capacity, max_batch=self.max_batch, width=width,
-                                         num_slots=int(swa.num_slots), window=window.size, name="swa.verify_capacity")
-            self.swa = _Group("swa", num_slots=int(swa.num_slots), device=self.device, max_batch=self.max_batch,
+                                         num_slots=swa_slots, window=window.size, name="swa.verify_capacity")
+            self.swa = _Group("swa", num_slots=swa_slots, device=self.device, max_batch=self.max_batch,
                               capacity=scap, hard_capacity=shard, swa=window, sources=ssrcs, mode=smode,
                               sample_period=fingerprint_sample_period,
                               tags=(LaunchTag.VERIFY_SWA, LaunchTag.WRITE_SWA, LaunchTag.VERIFY_SWA))
         self.groups = [g for g in (self.main, self.swa) if g is not None]
         for g in self.groups:  # misuse shows here, not in the first step
-            ops._sources(g.sources, g.mode, self.device, g.canary.num_slots)
+            ops.check_sources(g.sources, g.mode, self.device, g.canary.num_slots)
 
         self.log = ViolationLog.allocate(capacity=ring_capacity, device=self.device)
 
@@ -336,33 +334,38 @@ class KvCanary:
         self._swa_scratch = None
         self._hold_old: list = []  # per-call imports kept alive until their work is done (see _hold)
         self._hold_new: list = []
+        self._retired: collections.deque = collections.deque()  # (event, arrays) replaced by rebind()
         if self.swa is not None and max_tokens:
-            self._swa_buffers(int(max_tokens))
+            self._swa_buffers(max_tokens)
         self._sweep = SweepPlanner(budget=sweep_budget, max_chains=sweep_max_chains, device=self.device)
         self._sweeps = 0
         self._sweep_entries = 0
         self._steps = 0
         self._violations = 0
         self._step_open = None  # (seq, stream ptr, tokens checked) between before_ and after_forward
+        self._aborted = 0
 
         # Which launch wrote a ring row: every step and sweep gets a sequence number and, on the
         # device, a snapshot of the log head as it starts (_heads[seq % history]); the row at ring
         # index i belongs to the newest sequence whose snapshot is <= i. Tags stay plain LaunchTags,
         # so launches (and their cached kernel arguments) are the same every step.
-        self._history = max(1, int(history))
+        self._history = history
         self._seq = 0
         self._min_seq = 1  # snapshots before this were invalidated by a log clear
         self._heads = arrays.empty((self._history,), np.int64, self.device, fill=0)
-        self._ids: OrderedDict = OrderedDict()  # seq -> request id per batch row
+        self._ids: collections.OrderedDict = collections.OrderedDict()  # seq -> request id per batch row
         self._rows_seen = 0  # ring rows poll() has returned (their ring indices are consecutive)
         self._staged_seq = 0
         # Graph replays run no Python: captured sequences map through the ids note_step() records.
         self._captured = False
         self._captured_seqs: set = set()
         self._replays = 0
-        self._replay_ids: OrderedDict = OrderedDict()
+        self._replay_ids: collections.OrderedDict = collections.OrderedDict()
         self._staged_replay = 0
-        self._reader = _runtime.HostReader(self.device, [g.sc for g in self.groups] + [self._heads])
+        # One pinned copy per poll: every group's scalars, the head snapshots, the log's counters.
+        self._reader = _runtime.HostReader(self.device, [g.sc for g in self.groups]
+                                           + [self._heads, self.log.counter_array])
+        self._writes_skipped_seen = 0
 
     # ------------------------------------------------------------------ setup
     @staticmethod
@@ -419,7 +422,7 @@ class KvCanary:
                 continue
             self._bound[name] = arrays.as_index_array(obj, name, device=self.device)
             self._bound_slices.clear()
-            if arrays._is_torch(obj):
+            if arrays.is_torch(obj):
                 self._torch_inputs = True
         if self.swa is not None and "out_cache_loc" in self._bound:
             self._swa_buffers(int(self._bound["out_cache_loc"].shape[0]))
@@ -451,8 +454,8 @@ class KvCanary:
             raise ValueError("kvcanary: rebind: a CUDA graph captured this monitor's launches with the old arrays; "
                              "refill those arrays in place instead")
         if self.device != "cpu":  # queued work may still read the old arrays
-            self._hold((self.table, self.expected_table, self.main.sources,
-                        self.swa and (self.swa.swa, self.swa.sources)))
+            self._retire((self.table, self.expected_table, self.main.sources,
+                          self.swa and (self.swa.swa, self.swa.sources)))
 
         def same(obj, name, like):
             a = arrays.as_index_array(obj, name, ndim=like.ndim, device=self.device)
@@ -484,11 +487,14 @@ class KvCanary:
         for g, srcs in ((self.main, real_kv), (self.swa, swa_real_kv)):
             if srcs is None:
                 continue
-            srcs = (srcs,) if isinstance(srcs, RealKvSource) else tuple(srcs)
-            ops._sources(srcs, g.mode, self.device, g.canary.num_slots)
+            srcs = ops.source_tuple(srcs, "real_kv" if g is self.main else "swa_real_kv")
+            ops.check_sources(srcs, g.mode, self.device, g.canary.num_slots)
             g.sources = srcs
 
     def _arg(self, obj, name: str, n: int | None, min_len: int | None = None):
+        """The step's array ``name``: ``obj`` imported, or the bound buffer; its first ``n``
+        elements when ``n`` is given (a buffer shorter than ``n`` is an error, never a
+        silently shorter step)."""
         if obj is None:
             a = self._bound.get(name)
             if a is None:
@@ -499,22 +505,40 @@ class KvCanary:
             key = (name, n)
             v = self._bound_slices.get(key)
             if v is None:
+                self._check_len(a, name, n, "the buffer bound with bind_inputs() holds")
                 v = self._bound_slices[key] = a[:n]
             return v
         a = arrays.as_index_array(obj, name, device=self.device, min_len=min_len)
         if self.device != "cpu":
             self._hold(a)
-        return a if n is None else a[:n]
+        if n is None:
+            return a
+        self._check_len(a, name, n, "the array holds")
+        return a[:n]
+
+    @staticmethod
+    def _check_len(a, name: str, n: int, what: str) -> None:
+        if int(a.shape[0]) < n:
+            raise ValueError(f"kvcanary: {name}: the step needs {n} elements, but {what} {int(a.shape[0])}")
 
     def _hold(self, view) -> None:
         """Keep a per-call import (and so the producer's buffer) alive until the work that reads it is
         known done: a producer whose allocator is not ordered with our stream (JAX) could otherwise
         reuse the memory under a queued kernel. Released two polls later (see :meth:`poll`)."""
         self._hold_new.append(view)
-        if len(self._hold_new) > 4096:  # nobody polls: settle once rather than grow without bound
+        if len(self._hold_new) > 1024:  # nobody polls: settle once rather than grow without bound
             _runtime.synchronize(self.device)
             self._hold_new.clear()
             self._hold_old = []
+
+    def _retire(self, old) -> None:
+        """Keep arrays replaced by :meth:`rebind` alive until the work queued before the rebind is
+        done, and no longer: an event marks that point, and at most two generations wait (a JAX
+        engine rebinds a new KV pool every step, so holding them until a poll could keep many
+        pools alive)."""
+        self._retired.append((_runtime.mark(self.device, self._stream(None)), old))
+        while len(self._retired) > 2:
+            _runtime.wait(self._retired.popleft()[0])
 
     def _stream(self, stream, objs=()):
         if self.device == "cpu":
@@ -620,21 +644,26 @@ class KvCanary:
             >>> mon.verify_plan.host_entries()["slot_indices"].tolist()  # a's prefix, then b's
             [16, 17, 32]
         """
+        if self._step_open is not None:
+            raise ValueError("kvcanary: before_forward: the previous step is still open; call after_forward() "
+                             "after the forward (or abort_step() if the forward failed) before planning the next")
         objs = (req_pool_indices, prefix_lens, extend_lens)
+        if batch_size is not None:
+            batch_size = arrays.check_int(batch_size, "batch_size", minimum=0)
         rpi = self._arg(req_pool_indices, "req_pool_indices", batch_size)
         bs = int(rpi.shape[0])
         pre = self._arg(prefix_lens, "prefix_lens", bs, min_len=bs)
         ext = self._arg(extend_lens, "extend_lens", bs, min_len=bs)
         if bs > self.max_batch:
             raise ValueError(f"kvcanary: req_pool_indices: a batch of {bs} rows exceeds max_batch = {self.max_batch}")
+        if request_ids is not None and len(request_ids) != bs:
+            raise ValueError(f"kvcanary: request_ids: expected one id per batch row ({bs}), got {len(request_ids)}")
         ptr = self._stream(stream, objs)
         capturing = _runtime.is_capturing(self.device, ptr)
         seq = self._next_seq(ptr)
         if capturing:
             self._captured = True
             self._captured_seqs.add(seq)
-        else:
-            self._steps += 1
         self._remember(self._ids, seq, request_ids)
 
         exp = expected
@@ -653,7 +682,30 @@ class KvCanary:
             self._plan(g, rpi, pre, ext, kw, exp, ptr, capturing)
             ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_verify, real_kv=g.sources,
                        real_kv_mode=g.mode, check_tokens=exp is not None, sample=g.sampler, stream=ptr)
+        if not capturing:
+            self._steps += 1
         self._step_open = (seq, ptr, exp is not None)
+
+    def abort_step(self) -> None:
+        """Close a step whose forward failed: nothing is stamped, ``stats()["aborted_steps"]``
+        counts it, and the next :meth:`before_forward` may follow. The records the step did
+        not stamp are unverified, not wrong: the engine must not read the tokens it failed
+        to write (its own rollback), or the next verify reports them.
+
+        Example::
+
+            >>> import numpy as np, kvcanary_cupy as kc
+            >>> mon = kc.KvCanary(num_slots=64, req_to_token=np.arange(64, dtype=np.int32).reshape(4, 16),
+            ...                   max_batch=1)
+            >>> mon.before_forward(np.array([1]), np.array([0]), np.array([2]))
+            >>> mon.abort_step()  # the model raised; the step's tokens were never written
+            >>> mon.stats()["aborted_steps"]
+            1
+        """
+        if self._step_open is None:
+            raise ValueError("kvcanary: abort_step: no step is open (before_forward() opens one)")
+        self._step_open = None
+        self._aborted += 1
 
     def _plan(self, g: _Group, rpi, pre, ext, kw, exp, ptr, capturing) -> None:
         args = dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, swa=g.swa, expected=exp, stream=ptr, **kw)
@@ -702,7 +754,10 @@ class KvCanary:
         if self._step_open is None:
             raise ValueError("kvcanary: after_forward: expected a preceding before_forward() for this step")
         seq, ptr0, checked_tokens = self._step_open
-        self._step_open = None
+        if num_tokens is not None:
+            num_tokens = arrays.check_int(num_tokens, "num_tokens", minimum=0)
+        # Every argument of every group is imported and checked before the first launch, so a
+        # misuse raises with no record changed (the step stays open: fix the call and repeat it).
         objs = (input_ids, positions, out_cache_loc)
         ids = self._arg(input_ids, "input_ids", num_tokens)
         pos = self._arg(positions, "positions", num_tokens)
@@ -712,10 +767,9 @@ class KvCanary:
         if expected_input_ids is not None or expected_positions is not None:
             exp_in = (None if expected_input_ids is None else self._arg(expected_input_ids, "expected_input_ids", None),
                       None if expected_positions is None else self._arg(expected_positions, "expected_positions", None))
-        for g in self.groups:
-            gloc = loc
-            if g is self.swa:
-                gloc = self._swa_loc(loc, swa_out_cache_loc, ptr)
+        locs = [self._swa_loc(loc, swa_out_cache_loc, ptr) if g is self.swa else loc for g in self.groups]
+        self._step_open = None
+        for g, gloc in zip(self.groups, locs):
             ops.write(g.canary, g.wp, input_ids=ids, positions=pos, out_cache_loc=gloc, log=self.log,
                       tag=g.tag_write, real_kv=g.sources, real_kv_mode=g.mode,
                       expected_inputs=exp_in, stream=ptr)
@@ -856,14 +910,19 @@ class KvCanary:
         self._hold_old, self._hold_new = self._hold_new, []
         out = []
         if scal is not None:
-            self._report(scal[:-1], ptr)
-            out = self._map_rows(found, scal[-1], upto_seq, replay_now)
+            self._report(scal[:-2], scal[-1], ptr)
+            out = self._map_rows(found, scal[-2], upto_seq, replay_now)
         self._violations += len(out)
         if out:
             self._apply_policy(out)
         return out
 
-    def _report(self, scal, ptr) -> None:
+    def _report(self, scal, counters, ptr) -> None:
+        skipped = int(counters[COUNTER_NAMES.index("writes_skipped")])
+        if skipped > self._writes_skipped_seen:
+            self._warn(f"kvcanary: {skipped - self._writes_skipped_seen} write(s) stamped nothing because their "
+                       "write plan was never planned (stats()['writes_skipped'])")
+            self._writes_skipped_seen = skipped
         for g, sc in zip(self.groups, scal):
             c = _Group.counts(sc)
             if c["overflows"] > g.reported["overflows"]:
@@ -880,7 +939,8 @@ class KvCanary:
                     action = f"grown to {g.grow(c['max_requested'])}"
                 self._warn(f"kvcanary: verify plan of group '{g.name}' overflowed in "
                            f"{c['overflows'] - g.reported['overflows']} step(s) (largest request "
-                           f"{c['max_requested']} entries, capacity {cap}); those steps were not verified; {action}")
+                           f"{c['max_requested']} entries, capacity {cap}); those steps were not verified "
+                           f"(stats()['verifies_skipped']); {action}")
                 g.reported["overflows"] = c["overflows"]
             if c["input_errors"] > g.reported["input_errors"]:
                 self._warn(f"kvcanary: {c['input_errors'] - g.reported['input_errors']} batch row(s) of group "
@@ -933,10 +993,13 @@ class KvCanary:
         """Counters (synchronizes on CUDA).
 
         Returns a dict: ``steps`` (before_forward calls outside capture plus
-        replays noted), ``violations`` (returned by poll), ``logged`` (appended
+        replays noted), ``aborted_steps`` (closed by :meth:`abort_step`),
+        ``violations`` (returned by poll), ``logged`` (appended
         to the ring), ``dropped`` (past the ring), ``overflows`` and
-        ``input_errors`` (all groups), ``kernel_runs``, ``slots_checked``,
-        ``slots_written`` (the log's counters), ``sweeps``, ``sweep_entries`` and
+        ``input_errors`` (all groups), the log's counters (``kernel_runs``,
+        ``slots_checked``, ``slots_written``, ``verifies_skipped``,
+        ``writes_skipped``, ``tokens_skipped``: see
+        :meth:`ViolationLog.counters`), ``sweeps``, ``sweep_entries`` and
         per group ``groups[name]`` with ``capacity``, ``max_requested``,
         ``overflows``, ``input_errors``.
 
@@ -956,7 +1019,8 @@ class KvCanary:
             c = _Group.counts(sc)
             per[g.name] = {"capacity": g.vp.capacity, "max_requested": c["max_requested"],
                            "overflows": c["overflows"] + g.host_overflows, "input_errors": c["input_errors"]}
-        out = {"steps": self._steps, "violations": self._violations, "logged": self.log.count,
+        out = {"steps": self._steps, "aborted_steps": self._aborted, "violations": self._violations,
+               "logged": self.log.count,
                "dropped": self.log.dropped,
                "overflows": sum(p["overflows"] for p in per.values()),
                "input_errors": sum(p["input_errors"] for p in per.values()),
@@ -990,7 +1054,7 @@ class KvCanary:
                                     req_pool_indices=req_pool_indices,
                                     stream=self._stream(stream, (tokens, offsets, req_pool_indices)))
 
-    def _remember(self, store: OrderedDict, key, ids) -> None:
+    def _remember(self, store: collections.OrderedDict, key, ids) -> None:
         store[key] = None if ids is None else list(ids)
         while len(store) > self._history:
             store.popitem(last=False)

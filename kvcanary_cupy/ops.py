@@ -47,6 +47,17 @@ def _canary_device(canary, **objects) -> str:
     return canary.device
 
 
+def _outputs_apart(op: str, canary, log, **others) -> None:
+    """What an op writes (the records, the log, a plan or sampler state) lives in separate
+    memory: one buffer passed as two objects would be overwritten by the op itself."""
+    named = {"canary.records": canary.records, "log.ring": log.ring, "log.head": log.head,
+             "log.counters": log.counter_array}
+    for name, obj in others.items():
+        if obj is not None:
+            named.update({f"{name}.{f}": getattr(obj, f) for f in obj.FIELDS})
+    arrays.check_disjoint(op, named)
+
+
 class _Call:
     """A validated op call: the backend function and the views it takes.
 
@@ -131,13 +142,26 @@ def _recent_calls(owner, cls) -> _RecentCalls:
 
 
 def _scalar(x):
-    """A scalar argument's part of a memo key: itself (equal values hit the same entry),
-    or its id when it cannot be hashed (then the op rejects it and nothing is kept)."""
+    """A scalar argument's part of a memo key: its type and value (equal values of one
+    type hit the same entry; ``True`` does not hit an entry made for ``1``, nor ``2.0``
+    one made for ``2``), or its id when it cannot be hashed (then the op rejects it and
+    nothing is kept)."""
     try:
         hash(x)
     except TypeError:
         return id(x)
-    return x
+    return (type(x), x)
+
+
+def _array(x):
+    """An array argument's part of a memo key: its id, and the shape and dtype that
+    validation checked. Both can be changed in place (``a.shape = ...``,
+    ``a.dtype = ...`` are legal on NumPy and CuPy arrays), so an entry validated for
+    the old ones must not be found for the new ones."""
+    try:
+        return (id(x), x.shape, x.dtype)
+    except AttributeError:  # None, or not an array (then the op rejects it)
+        return id(x)
 
 
 _SCATTER = _RecentCalls(capacity=1)
@@ -153,14 +177,35 @@ def _no_extra(op: str, extra: dict) -> None:
     raise TypeError(f"kvcanary: {op}() got an unexpected keyword argument {name!r}")
 
 
-def _sources(real_kv, real_kv_mode, device: str, num_slots: int) -> tuple[tuple[RealKvSource, ...], RealKvMode]:
+def real_kv_mode_of(real_kv_mode, name: str = "real_kv_mode") -> RealKvMode:
+    """A :class:`RealKvMode` from the enum or its integer value (not a bool or a float)."""
     try:
-        mode = RealKvMode(real_kv_mode)
-    except ValueError:
-        raise ValueError(f"kvcanary: real_kv_mode: expected RealKvMode NONE, PARTIAL or ALL, got {real_kv_mode!r}") from None
+        return RealKvMode(arrays.check_int(real_kv_mode, name))
+    except (TypeError, ValueError):
+        raise ValueError(f"kvcanary: {name}: expected RealKvMode NONE, PARTIAL or ALL, got {real_kv_mode!r}") from None
+
+
+def source_tuple(real_kv, name: str = "real_kv") -> tuple:
+    """``real_kv`` as a tuple of :class:`RealKvSource`: one source, a list or tuple of
+    them, or ``None`` / ``()`` for none. A bare array is refused with what to pass."""
+    if real_kv is None:
+        return ()
     if isinstance(real_kv, RealKvSource):
-        real_kv = (real_kv,)
-    srcs = tuple(real_kv or ())
+        return (real_kv,)
+    if not isinstance(real_kv, (tuple, list)):
+        raise TypeError(f"kvcanary: {name}: expected a RealKvSource or a list of them, got {type(real_kv).__name__}; "
+                        "wrap the KV pool as RealKvSource(pool, page_size=..., bytes_per_token=...)")
+    for i, s in enumerate(real_kv):
+        _expect(s, RealKvSource, f"{name}[{i}]")
+    return tuple(real_kv)
+
+
+def check_sources(real_kv, real_kv_mode, device: str, num_slots: int) -> tuple[tuple[RealKvSource, ...], RealKvMode]:
+    """The sources and mode a write or verify fingerprints with: every source on
+    ``device`` and covering ``num_slots`` slots; no sources, or mode NONE, give
+    ``((), NONE)``."""
+    mode = real_kv_mode_of(real_kv_mode)
+    srcs = source_tuple(real_kv)
     for i, s in enumerate(srcs):
         _expect(s, RealKvSource, f"real_kv[{i}]")
         if s.device != device:
@@ -171,6 +216,21 @@ def _sources(real_kv, real_kv_mode, device: str, num_slots: int) -> tuple[tuple[
     if mode == RealKvMode.NONE or not srcs:
         return (), RealKvMode.NONE
     return srcs, mode
+
+
+def slot_table(req_to_token, block_table, page_size) -> tuple[str, object, int]:
+    """Which slot table a call passes: ``(keyword, table, page size)``; exactly one of
+    ``req_to_token`` (page size 1) and ``block_table`` with ``page_size`` (an integer in
+    ``[1, 2**63 - 1]``)."""
+    if (req_to_token is None) == (block_table is None):
+        raise ValueError("kvcanary: plan: pass exactly one slot table, req_to_token= or block_table= (with page_size=)")
+    if req_to_token is not None:
+        if page_size is not None and not (arrays.check_int(page_size, "page_size") == 1):
+            raise ValueError(f"kvcanary: page_size: only meaningful with block_table=, got {page_size} with req_to_token=")
+        return "req_to_token", req_to_token, 1
+    if page_size is None:
+        raise ValueError("kvcanary: page_size: block_table= needs page_size >= 1, got None")
+    return "block_table", block_table, arrays.check_int(page_size, "page_size", minimum=1)
 
 
 def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_pool_indices, prefix_lens,
@@ -210,7 +270,9 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
         _no_extra("plan", extra)
     objs = (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
             page_size, swa, expected)
-    key = (*map(id, objs[:7]), _scalar(page_size), id(swa), id(expected))
+    key = (id(verify_plan), id(write_plan), *map(_array, objs[2:7]), _scalar(page_size),
+           id(swa), _array(getattr(swa, "lut", None)), id(expected),
+           _array(getattr(expected, "table", None)), _array(getattr(expected, "valid_lens", None)))
     owner = verify_plan if verify_plan is not None else write_plan
     _recent_calls(owner, (VerifyPlan, WritePlan)).run(key, objs, _prepare_plan, objs, stream)
 
@@ -227,16 +289,10 @@ def _prepare_plan(verify_plan, write_plan, req_pool_indices, prefix_lens, extend
     if verify_plan is not None and write_plan is not None and write_plan.device != device:
         raise ValueError(f"kvcanary: write_plan: expected it on {device} like verify_plan, got {write_plan.device}")
 
-    if (req_to_token is None) == (block_table is None):
-        raise ValueError("kvcanary: plan: pass exactly one slot table, req_to_token= or block_table= (with page_size=)")
-    if req_to_token is not None:
-        if page_size not in (None, 1):
-            raise ValueError(f"kvcanary: page_size: only meaningful with block_table=, got {page_size} with req_to_token=")
-        table_name, table_obj, page = "req_to_token", req_to_token, 1
-    else:
-        if page_size is None or int(page_size) < 1:
-            raise ValueError(f"kvcanary: page_size: block_table= needs page_size >= 1, got {page_size}")
-        table_name, table_obj, page = "block_table", block_table, int(page_size)
+    if verify_plan is not None and write_plan is not None:
+        arrays.check_disjoint("plan", {**{f"verify_plan.{f}": getattr(verify_plan, f) for f in VerifyPlan.FIELDS},
+                                       **{f"write_plan.{f}": getattr(write_plan, f) for f in WritePlan.FIELDS}})
+    table_name, table_obj, page = slot_table(req_to_token, block_table, page_size)
     table = arrays.as_index_array(table_obj, table_name, ndim=2, device=device)
     rpi = arrays.as_index_array(req_pool_indices, "req_pool_indices", device=device)
     bs = int(rpi.shape[0])
@@ -287,7 +343,8 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
     srcs = tuple(real_kv) if isinstance(real_kv, (tuple, list)) else (real_kv,)
     exp = tuple(expected_inputs) if isinstance(expected_inputs, (tuple, list)) else (expected_inputs,)
     objs = (canary, write_plan, input_ids, positions, out_cache_loc, log, *exp, *srcs)
-    key = (*map(id, objs), _scalar(tag), _scalar(real_kv_mode), len(exp))
+    key = (id(canary), id(write_plan), *map(_array, (input_ids, positions, out_cache_loc, *exp)), id(log),
+           *map(id, srcs), _scalar(tag), _scalar(real_kv_mode), len(exp))
     _recent_calls(canary, CanaryBuffer).run(key, objs, _prepare_write, (
         canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs), stream)
 
@@ -295,6 +352,8 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
 def _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode,
                    expected_inputs) -> "_Call":
     device = _canary_device(canary, write_plan=(write_plan, WritePlan), log=(log, ViolationLog))
+    tag = arrays.check_tag(tag)
+    _outputs_apart("write", canary, log, write_plan=write_plan)
     ids = arrays.as_index_array(input_ids, "input_ids", device=device)
     pos = arrays.as_index_array(positions, "positions", device=device)
     loc = arrays.as_index_array(out_cache_loc, "out_cache_loc", device=device)
@@ -309,9 +368,9 @@ def _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log,
         if expected_inputs[1] is not None:
             exp_pos = arrays.as_index_array(expected_inputs[1], "expected_inputs[1]", device=device)
             given.append(expected_inputs[1]), views.append(exp_pos)
-    srcs, mode = _sources(real_kv, real_kv_mode, device, canary.num_slots)
+    srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
     return _Call(backend_for(device).write, device, (canary, write_plan),
-                 dict(input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=int(tag), sources=srcs,
+                 dict(input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=tag, sources=srcs,
                       mode=mode, expected_tokens=exp_tok, expected_positions=exp_pos),
                  given=tuple(given), views=tuple(views))
 
@@ -344,9 +403,12 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
 def _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample) -> "_Call":
     optional = {} if sample is None else {"sample": (sample, FingerprintSampler)}
     device = _canary_device(canary, verify_plan=(verify_plan, VerifyPlan), log=(log, ViolationLog), **optional)
-    srcs, mode = _sources(real_kv, real_kv_mode, device, canary.num_slots)
+    tag = arrays.check_tag(tag)
+    check_tokens = arrays.check_flag(check_tokens, "check_tokens")
+    _outputs_apart("verify", canary, log, sample=sample)
+    srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
     return _Call(backend_for(device).verify, device, (canary, verify_plan),
-                 dict(log=log, tag=int(tag), sources=srcs, mode=mode, check_tokens=bool(check_tokens),
+                 dict(log=log, tag=tag, sources=srcs, mode=mode, check_tokens=check_tokens,
                       sample=sample if srcs else None))
 
 
@@ -364,7 +426,7 @@ def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=
     if extra:
         _no_extra("scatter_expected_tokens", extra)
     objs = (table, tokens, offsets, req_pool_indices)
-    key = tuple(map(id, objs))
+    key = (*map(_array, objs), getattr(getattr(table, "flags", None), "writeable", None))
     _SCATTER.run(key, objs, _prepare_scatter, objs, stream)
 
 

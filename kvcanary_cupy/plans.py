@@ -16,19 +16,35 @@ from . import arrays
 _I64 = arrays.INT64
 
 
-def _check_fields(cls_name: str, fields: dict, lengths: dict, device_hint=None):
-    """Import every field, check dtype/rank/device, and name each length that disagrees."""
+def _own_fields(obj, lengths: dict) -> None:
+    """Import and check every array field of a plan object, in place (the one code path
+    of its constructor, ``allocate`` and ``from_buffers``).
+
+    ``lengths`` maps each field to the length it must have. Every field is a writable,
+    C-contiguous int64 vector on one device, and no two fields share memory: the kernels
+    write all of them at raw addresses, so a short, strided, read-only or aliased array
+    would be read and written past its end or race with another field.
+    """
+    cls_name = type(obj).__name__
     views = {}
-    for name, obj in fields.items():
-        views[name] = arrays.as_array(obj, f"{cls_name}.{name}", dtypes=_I64, ndim=1)
-    device = arrays.device_of(next(iter(views.values()))) if device_hint is None else device_hint
+    for name in lengths:
+        views[name] = arrays.as_array(getattr(obj, name), f"{cls_name}.{name}", dtypes=_I64, ndim=1)
+    device = arrays.device_of(next(iter(views.values())))
     for name, v in views.items():
-        arrays.check_array(v, f"{cls_name}.{name}", device=device, contiguous=False)
+        arrays.check_array(v, f"{cls_name}.{name}", device=device, writable=True)
     bad = [f"{name} has length {views[name].shape[0]}, expected {want}"
            for name, want in lengths.items() if views[name].shape[0] != want]
     if bad:
-        raise ValueError(f"kvcanary: {cls_name}.from_buffers: arrays disagree: " + "; ".join(bad))
-    return views
+        raise ValueError(f"kvcanary: {cls_name}: arrays disagree: " + "; ".join(bad))
+    arrays.check_disjoint(cls_name, views)
+    for name, v in views.items():
+        object.__setattr__(obj, name, v)
+
+
+def _length(obj, name: str, cls_name: str) -> int:
+    """The length of a vector field before it is imported (it sets the others' lengths)."""
+    v = arrays.as_array(getattr(obj, name), f"{cls_name}.{name}", dtypes=_I64, ndim=1)
+    return int(v.shape[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,14 +81,22 @@ class VerifyPlan:
 
     ENTRY_FIELDS = ("slot_indices", "prev_slot_indices", "expected_positions", "expected_tokens")
     SCALAR_FIELDS = ("num_valid", "enable", "requested", "input_errors")
+    FIELDS = ENTRY_FIELDS + ("offsets",) + SCALAR_FIELDS
+
+    def __post_init__(self):
+        cap = _length(self, "slot_indices", "VerifyPlan")
+        mb = _length(self, "offsets", "VerifyPlan") - 1
+        if mb < 1:
+            raise ValueError(f"kvcanary: VerifyPlan: offsets has length {mb + 1}, expected max_batch + 1 >= 2")
+        _own_fields(self, {f: cap for f in self.ENTRY_FIELDS} | {"offsets": mb + 1}
+                    | {f: 1 for f in self.SCALAR_FIELDS})
 
     @classmethod
     def allocate(cls, *, capacity: int, max_batch: int, device: str = "cpu") -> "VerifyPlan":
-        capacity, max_batch = int(capacity), int(max_batch)
-        if capacity < 0:
-            raise ValueError(f"kvcanary: capacity: expected >= 0, got {capacity}")
-        if max_batch < 1:
-            raise ValueError(f"kvcanary: max_batch: expected >= 1, got {max_batch}")
+        """A plan with ``capacity`` entries for batches of up to ``max_batch`` rows, never
+        planned (``enable`` 0: a verify of it is counted in ``verifies_skipped``)."""
+        capacity = arrays.check_int(capacity, "capacity", minimum=0)
+        max_batch = arrays.check_int(max_batch, "max_batch", minimum=1)
         e = {f: arrays.empty((capacity,), np.int64, device, fill=-1) for f in cls.ENTRY_FIELDS}
         s = {f: arrays.empty((1,), np.int64, device, fill=0) for f in cls.SCALAR_FIELDS}
         return cls(offsets=arrays.empty((max_batch + 1,), np.int64, device, fill=0), **e, **s)
@@ -80,19 +104,11 @@ class VerifyPlan:
     @classmethod
     def from_buffers(cls, *, slot_indices, prev_slot_indices, expected_positions, expected_tokens,
                      offsets, num_valid, enable, requested, input_errors) -> "VerifyPlan":
-        """Wrap caller-owned int64 arrays (e.g. from a graph pool) after checking they agree."""
-        fields = dict(slot_indices=slot_indices, prev_slot_indices=prev_slot_indices,
-                      expected_positions=expected_positions, expected_tokens=expected_tokens,
-                      offsets=offsets, num_valid=num_valid, enable=enable, requested=requested,
-                      input_errors=input_errors)
-        cap = int(getattr(slot_indices, "shape", [0])[0])
-        lengths = {f: cap for f in cls.ENTRY_FIELDS} | {f: 1 for f in cls.SCALAR_FIELDS}
-        views = _check_fields("VerifyPlan", fields, lengths)
-        if views["offsets"].shape[0] < 2:
-            raise ValueError(
-                f"kvcanary: VerifyPlan.from_buffers: offsets has length {views['offsets'].shape[0]}, "
-                "expected max_batch + 1 >= 2")
-        return cls(**views)
+        """Wrap caller-owned int64 arrays (e.g. from a graph pool) after checking they agree
+        (the same checks as the constructor)."""
+        return cls(slot_indices=slot_indices, prev_slot_indices=prev_slot_indices,
+                   expected_positions=expected_positions, expected_tokens=expected_tokens, offsets=offsets,
+                   num_valid=num_valid, enable=enable, requested=requested, input_errors=input_errors)
 
     @property
     def capacity(self) -> int:
@@ -123,7 +139,8 @@ class WritePlan:
     Arrays (int64):
         offsets: ``[max_batch + 1]``, exclusive prefix sums of tokens written per row.
         seed_slots: ``[max_batch]``, the slot of the row's last prefix token (-1: none).
-        num_rows: device scalar ``[1]``, the batch size planned.
+        num_rows: device scalar ``[1]``, the batch size planned; -1 until the
+            first plan (a write then stamps nothing and counts ``writes_skipped``).
         input_errors: device scalar ``[1]``, rows dropped for out-of-range data
             (cumulative, like ``VerifyPlan.input_errors``).
         position_check: device scalar ``[1]``; 1 turns on write's chain-position
@@ -143,14 +160,23 @@ class WritePlan:
     input_errors: object
     position_check: object
 
+    FIELDS = ("offsets", "seed_slots", "num_rows", "input_errors", "position_check")
+
+    def __post_init__(self):
+        mb = _length(self, "seed_slots", "WritePlan")
+        if mb < 1:
+            raise ValueError("kvcanary: WritePlan: seed_slots has length 0, expected max_batch >= 1")
+        _own_fields(self, {"offsets": mb + 1, "seed_slots": mb, "num_rows": 1, "input_errors": 1,
+                           "position_check": 1})
+
     @classmethod
     def allocate(cls, *, max_batch: int, device: str = "cpu") -> "WritePlan":
-        max_batch = int(max_batch)
-        if max_batch < 1:
-            raise ValueError(f"kvcanary: max_batch: expected >= 1, got {max_batch}")
+        """A write plan for up to ``max_batch`` rows, never planned (``num_rows`` -1: a
+        write with it stamps nothing and is counted in ``writes_skipped``)."""
+        max_batch = arrays.check_int(max_batch, "max_batch", minimum=1)
         return cls(offsets=arrays.empty((max_batch + 1,), np.int64, device, fill=0),
                    seed_slots=arrays.empty((max_batch,), np.int64, device, fill=-1),
-                   num_rows=arrays.empty((1,), np.int64, device, fill=0),
+                   num_rows=arrays.empty((1,), np.int64, device, fill=-1),
                    input_errors=arrays.empty((1,), np.int64, device, fill=0),
                    position_check=arrays.empty((1,), np.int64, device, fill=1))
 
@@ -161,18 +187,13 @@ class WritePlan:
         ``input_errors`` and ``position_check`` may be omitted: device scalars (0 and
         1) are then allocated beside the caller's arrays.
         """
-        given = dict(offsets=offsets, seed_slots=seed_slots, num_rows=num_rows,
-                     input_errors=input_errors, position_check=position_check)
-        fields = {k: v for k, v in given.items() if v is not None}
-        mb = int(getattr(seed_slots, "shape", [0])[0])
-        lengths = {"offsets": mb + 1, "seed_slots": mb, "num_rows": 1, "input_errors": 1, "position_check": 1}
-        views = _check_fields("WritePlan", fields, {k: v for k, v in lengths.items() if k in fields})
-        if mb < 1:
-            raise ValueError("kvcanary: WritePlan.from_buffers: seed_slots has length 0, expected max_batch >= 1")
-        dev = arrays.device_of(views["offsets"])
-        views.setdefault("input_errors", arrays.empty((1,), np.int64, dev, fill=0))
-        views.setdefault("position_check", arrays.empty((1,), np.int64, dev, fill=1))
-        return cls(**views)
+        dev = arrays.device_of(arrays.as_array(seed_slots, "WritePlan.seed_slots", dtypes=_I64))
+        if input_errors is None:
+            input_errors = arrays.empty((1,), np.int64, dev, fill=0)
+        if position_check is None:
+            position_check = arrays.empty((1,), np.int64, dev, fill=1)
+        return cls(offsets=offsets, seed_slots=seed_slots, num_rows=num_rows, input_errors=input_errors,
+                   position_check=position_check)
 
     @property
     def max_batch(self) -> int:
@@ -184,7 +205,7 @@ class WritePlan:
 
     def set_position_check(self, on: bool) -> None:
         """Flip the chain-position switch (an ordinary device write, no sync)."""
-        self.position_check.fill(1 if on else 0)
+        self.position_check.fill(1 if arrays.check_flag(on, "on") else 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,9 +222,7 @@ class SwaWindow:
     lut: object
 
     def __post_init__(self):
-        if int(self.size) < 1:
-            raise ValueError(f"kvcanary: SwaWindow.size: expected >= 1, got {self.size}")
-        object.__setattr__(self, "size", int(self.size))
+        object.__setattr__(self, "size", arrays.check_int(self.size, "SwaWindow.size", minimum=1))
         object.__setattr__(self, "lut", arrays.as_index_array(self.lut, "SwaWindow.lut"))
 
 
@@ -217,7 +236,9 @@ class ExpectedTokens:
             ``table[rp, pos + offset]``.
         valid_lens: int32 / int64 ``[>= batch]``, per batch row: positions at or past
             ``valid_lens[r] - offset`` are not checked.
-        offset: 0, or +1 for a draft pool that stores the next token.
+        offset: 0 (a target pool: slot ``pos`` holds token ``pos``) or 1 (an
+            EAGLE-style draft pool whose slot ``pos`` holds token ``pos + 1``);
+            nothing else.
     """
 
     table: object
@@ -227,7 +248,7 @@ class ExpectedTokens:
     def __post_init__(self):
         object.__setattr__(self, "table", arrays.as_index_array(self.table, "ExpectedTokens.table", ndim=2))
         object.__setattr__(self, "valid_lens", arrays.as_index_array(self.valid_lens, "ExpectedTokens.valid_lens"))
-        object.__setattr__(self, "offset", int(self.offset))
+        object.__setattr__(self, "offset", check_token_offset(self.offset, "ExpectedTokens.offset"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,11 +264,16 @@ class FingerprintSampler:
     period: int
     state: object
 
+    FIELDS = ("state",)
+
+    def __post_init__(self):
+        object.__setattr__(self, "period", arrays.check_int(self.period, "period", minimum=1))
+        _own_fields(self, {"state": 2})
+
     @classmethod
     def allocate(cls, *, period: int, device: str = "cpu") -> "FingerprintSampler":
-        if int(period) < 1:
-            raise ValueError(f"kvcanary: period: expected >= 1, got {period}")
-        return cls(int(period), arrays.empty((2,), np.int64, device, fill=0))
+        period = arrays.check_int(period, "period", minimum=1)
+        return cls(period, arrays.empty((2,), np.int64, device, fill=0))
 
     @property
     def device(self) -> str:
@@ -258,3 +284,10 @@ class FingerprintSampler:
         return int(arrays.to_host(self.state)[0]) % self.period
 
 
+def check_token_offset(offset, name: str) -> int:
+    """The expected-token offset: 0 or 1 (see :class:`ExpectedTokens`)."""
+    v = arrays.check_int(offset, name)
+    if v not in (0, 1):
+        raise ValueError(f"kvcanary: {name}: expected 0 (target pool) or 1 (draft pool holding the next token), "
+                         f"got {v}")
+    return v

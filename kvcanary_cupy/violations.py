@@ -48,7 +48,8 @@ class Violation:
         who = f"request {self.request!r} (batch row {self.batch_row})" if self.request is not None \
             else f"batch row {self.batch_row}"
         return (f"kvcanary violation [{self.reasons.describe()}] in {launch}, {who}, slot {self.slot}: "
-                f"expected token {self.expected_token} position {self.expected_position} "
+                f"expected token {'-1 (not checked)' if self.expected_token == -1 else self.expected_token} "
+                f"position {self.expected_position} "
                 f"link {self.expected_link & 0xFFFFFFFFFFFFFFFF:#018x}; found token {self.stored_token} "
                 f"position {self.position} link {self.stored_link & 0xFFFFFFFFFFFFFFFF:#018x}")
 
@@ -62,7 +63,8 @@ class ViolationLog:
             expected_position]``. The ring fills once: rows past ``capacity`` are
             dropped and counted, never overwrite earlier rows.
         head: ``[1]`` append index; keeps counting past the capacity.
-        counter_array: ``[3]`` kernel runs, slots checked, slots written.
+        counter_array: ``[6]`` (see :meth:`counters`): kernel runs, slots checked,
+            slots written, verifies skipped, writes skipped, tokens skipped.
 
     Example::
 
@@ -72,25 +74,35 @@ class ViolationLog:
     """
 
     def __init__(self, ring, head, counters):
-        self.ring = arrays.as_array(ring, "ring", dtypes=arrays.INT64, ndim=2)
-        if self.ring.shape[1] != VIOLATION_WORDS:
-            raise ValueError(f"kvcanary: ring: expected shape [capacity, {VIOLATION_WORDS}], got {tuple(self.ring.shape)}")
+        # The kernels append rows and bump counters at raw addresses: every array must be
+        # writable, packed, on one device, of its exact length, and apart from the others.
+        self.ring = arrays.as_array(ring, "ring", dtypes=arrays.INT64, ndim=2, writable=True)
+        if self.ring.shape[1] != VIOLATION_WORDS or self.ring.shape[0] < 1:
+            raise ValueError(f"kvcanary: ring: expected shape [capacity >= 1, {VIOLATION_WORDS}], "
+                             f"got {tuple(self.ring.shape)}")
         dev = arrays.device_of(self.ring)
-        self.head = arrays.as_array(head, "head", dtypes=arrays.INT64, ndim=1, device=dev)
-        self.counter_array = arrays.as_array(counters, "counters", dtypes=arrays.INT64, ndim=1, device=dev)
+        self.head = arrays.as_array(head, "head", dtypes=arrays.INT64, ndim=1, device=dev, writable=True)
+        self.counter_array = arrays.as_array(counters, "counters", dtypes=arrays.INT64, ndim=1, device=dev,
+                                             writable=True)
         if self.head.shape[0] != 1 or self.counter_array.shape[0] != NUM_COUNTERS:
             raise ValueError(f"kvcanary: ViolationLog: head has length {self.head.shape[0]}, expected 1; "
                              f"counters has length {self.counter_array.shape[0]}, expected {NUM_COUNTERS}")
+        arrays.check_disjoint("ViolationLog", {"ring": self.ring, "head": self.head, "counters": self.counter_array})
         self._polled = 0  # rows already handed out by poll()
         self._reader = None  # HostReader of (head, ring), made on the first poll
 
     @classmethod
     def allocate(cls, *, capacity: int, device: str = "cpu") -> "ViolationLog":
-        if int(capacity) < 1:
-            raise ValueError(f"kvcanary: capacity: expected >= 1, got {capacity}")
-        return cls(arrays.empty((int(capacity), VIOLATION_WORDS), np.int64, device, fill=0),
+        capacity = arrays.check_int(capacity, "capacity", minimum=1)
+        return cls(arrays.empty((capacity, VIOLATION_WORDS), np.int64, device, fill=0),
                    arrays.empty((1,), np.int64, device, fill=0),
                    arrays.empty((NUM_COUNTERS,), np.int64, device, fill=0))
+
+    @classmethod
+    def from_buffers(cls, *, ring, head, counters) -> "ViolationLog":
+        """Wrap caller-owned int64 arrays (``[capacity, 10]``, ``[1]``, ``[6]``) after the
+        constructor's checks."""
+        return cls(ring, head, counters)
 
     @property
     def capacity(self) -> int:
@@ -111,7 +123,16 @@ class ViolationLog:
         return max(0, self.count - self.capacity)
 
     def counters(self) -> dict:
-        """``{"kernel_runs", "slots_checked", "slots_written"}`` (synchronizes)."""
+        """The counters, as ints (synchronizes):
+
+        - ``kernel_runs``: write and verify launches;
+        - ``slots_checked``, ``slots_written``: records verified and stamped;
+        - ``verifies_skipped``: verify runs that checked nothing because their plan was
+          not enabled (it overflowed its capacity, or was never planned);
+        - ``writes_skipped``: write runs whose write plan was never planned;
+        - ``tokens_skipped``: tokens a write did not stamp because their
+          ``out_cache_loc`` was negative (by design: padding, or dropped drafts).
+        """
         c = arrays.to_host(self.counter_array)
         return {name: int(c[i]) for i, name in enumerate(COUNTER_NAMES)}
 

@@ -214,7 +214,7 @@ def test_plan_matches_scalar_model(xp, device, seed, page, use_swa, use_exp, dty
     if use_exp:
         rows = nreq if rng.random() < 0.8 else int(rng.integers(0, nreq + 2))
         exp = (rng.integers(-1, 1000, size=(rows, int(rng.integers(0, 9)))),
-               rng.integers(-1, 12, size=bs), int(rng.integers(-1, 2)))
+               rng.integers(-1, 12, size=bs), int(rng.integers(0, 2)))
     cap = int(rng.integers(0, 30))
     want = model_plan(rp, P, E, table, page, swa_size, lut, exp, cap, max_batch)
 
@@ -264,8 +264,9 @@ def test_plan_matches_scalar_model(xp, device, seed, page, use_swa, use_exp, dty
 
 # --- write against a scalar model ----------------------------------------------------------------
 def model_write(recs, offsets, seeds, num_rows, ids, pos, loc, exp_tok, exp_pos, check, tag, pools, mode):
-    """Returns (records after, violation rows, records stored); ``recs`` is not changed."""
-    out, rows, written = recs.copy(), [], 0
+    """Returns (records after, violation rows, records stored, tokens skipped on a negative
+    slot); ``recs`` is not changed."""
+    out, rows, written, skipped = recs.copy(), [], 0, 0
     N = recs.shape[0]
     avail = min(len(a) for a in (ids, pos, loc, exp_tok, exp_pos) if a is not None)
     for r in range(max(0, min(num_rows, len(seeds)))):
@@ -285,6 +286,7 @@ def model_write(recs, offsets, seeds, num_rows, ids, pos, loc, exp_tok, exp_pos,
         for i in range(a, b):
             s, t, p = int(loc[i]), int(ids[i]), int(pos[i])
             if s < 0:
+                skipped += 1
                 continue
             bits, epos = 0, -1
             etok = int(exp_tok[i]) if exp_tok is not None else -1
@@ -306,7 +308,7 @@ def model_write(recs, offsets, seeds, num_rows, ids, pos, loc, exp_tok, exp_pos,
             if bits:
                 rows.append((tag, s, p, t, etok, s64(running), s64(running), int(bits), r, epos))
             running, prev = mix(running, t, p), p
-    return out, rows, written
+    return out, rows, written, skipped
 
 
 @settings(max_examples=examples(300), **FIXTURES)
@@ -356,7 +358,7 @@ def test_write_matches_scalar_model(xp, device, seed, check, with_exp, mode, dty
         ids = ids[:max(0, total - avail_cut)]
     wrow = np.full(max_batch + 1, offsets[-1], dtype=np.int64)
     wrow[:nrows + 1] = offsets
-    want_recs, want_rows, want_written = model_write(recs, wrow, seeds_, nrows, ids, posn, loc, exp_tok, exp_pos,
+    want_recs, want_rows, want_written, want_skipped = model_write(recs, wrow, seeds_, nrows, ids, posn, loc, exp_tok, exp_pos,
                                                      check, 9, pools, mode)
 
     canary = kc.CanaryBuffer(arr(xp, recs))
@@ -373,7 +375,8 @@ def test_write_matches_scalar_model(xp, device, seed, check, with_exp, mode, dty
              out_cache_loc=arr(xp, loc, dtype), log=log, tag=9, real_kv=srcs, real_kv_mode=mode, expected_inputs=ei)
     assert host(canary.records).tolist() == want_recs.tolist()
     assert sorted(v.as_row() for v in log.read()) == sorted(want_rows)
-    assert log.counters() == dict(kernel_runs=1, slots_checked=0, slots_written=want_written)
+    assert log.counters() == dict(kernel_runs=1, slots_checked=0, slots_written=want_written, verifies_skipped=0,
+                                  writes_skipped=0, tokens_skipped=want_skipped)
 
 
 # --- verify against a scalar model ---------------------------------------------------------------
@@ -475,7 +478,8 @@ def test_verify_matches_scalar_model(xp, device, seed, check_tokens, mode, sampl
         sampler.state[0] = state0
     kc.verify(canary, vp, log=log, tag=3, real_kv=srcs, real_kv_mode=mode, check_tokens=check_tokens, sample=sampler)
     assert sorted(v.as_row() for v in log.read()) == sorted(want_rows)
-    assert log.counters() == dict(kernel_runs=1, slots_checked=want_checked, slots_written=0)
+    assert log.counters() == dict(kernel_runs=1, slots_checked=want_checked, slots_written=0, verifies_skipped=0,
+                                  writes_skipped=0, tokens_skipped=0)
     assert host(canary.records).tolist() == recs.tolist()  # verify never writes records
     if sampled:
         assert host(sampler.state).tolist() == [state0 + (1 if mode != RealKvMode.NONE else 0), 0]
