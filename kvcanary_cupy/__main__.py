@@ -8,6 +8,8 @@ USAGE = """usage: python -m kvcanary_cupy {selftest,bench,info} [options]
   selftest   clean run plus every fault class on a simulated engine (exit 0: all caught, no false positives)
   bench      per-step cost of the ops and the monitor
   info       version, kernel source directory, CuPy / GPU visibility
+
+python -m kvcanary_cupy COMMAND --help lists a command's options.
 """
 
 

@@ -57,20 +57,38 @@ class ClassResult:
                 "other_detections": self.other, "misses": self.misses, "ok": self.ok}
 
 
+def cuda_status() -> tuple[bool, str]:
+    """Whether CuPy is importable and sees a CUDA device, and if not, why (one phrase)."""
+    try:
+        import cupy  # noqa: PLC0415
+    except Exception as e:  # noqa: BLE001  (not installed, or broken: either way no CUDA backend)
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "cupy":
+            return False, "CuPy is not installed"
+        return False, f"CuPy is installed but cannot be imported ({_reason(e)})"
+    try:
+        n = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as e:  # noqa: BLE001  (no driver, driver too old, no device)
+        return False, f"CuPy is installed but found no CUDA device ({_reason(e)})"
+    if n < 1:
+        return False, "CuPy is installed but found no CUDA device (device count 0)"
+    return True, f"CuPy sees {n} CUDA device{'s' if n > 1 else ''}"
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text and text[0] else type(e).__name__
+
+
 def resolve_backend(backend: str) -> str:
-    """``"cpu"`` or ``"cuda"`` for ``auto`` / ``numpy`` / ``cuda``."""
+    """``"cpu"`` or ``"cuda"`` for ``auto`` / ``numpy`` / ``cuda``: ``auto`` is ``"cuda"``
+    when CuPy is installed and sees a device, else ``"cpu"`` (the NumPy backend)."""
     if backend == "numpy":
         return "cpu"
     if backend == "cuda":
         return "cuda"
     if backend != "auto":
         raise ValueError(f"kvcanary: backend: expected auto, numpy or cuda, got {backend!r}")
-    try:
-        import cupy  # noqa: PLC0415
-
-        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
-    except Exception:  # noqa: BLE001  (no CuPy / driver / device: the NumPy backend)
-        return "cpu"
+    return "cuda" if cuda_status()[0] else "cpu"
 
 
 def configs(device: str, seed: int) -> list[SimConfig]:
@@ -147,8 +165,12 @@ def inject_once(fault_cls, device: str, seed: int, variant: int, res: ClassResul
                            "info": {k: str(v) for k, v in fault.info.items()}})
 
 
-def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed: int = 0, progress=print) -> dict:
+def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed: int = 0, progress=print,
+        notice=None) -> dict:
     """Run the whole selftest; returns the report (see ``--json``).
+
+    ``progress`` receives the progress lines; ``notice`` (default: ``progress``) the one
+    line that says why ``auto`` runs on NumPy although CuPy is installed.
 
     The monitors' own warnings (e.g. out-of-range plan input a fault provokes) are
     silenced while it runs; the clean run's input errors and overflows are counted
@@ -160,13 +182,21 @@ def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", KvCanaryWarning)
-            return _run(backend, steps, injections, seed, progress)
+            return _run(backend, steps, injections, seed, progress, notice or progress)
     finally:
         log.setLevel(level)
 
 
-def _run(backend: str, steps: int, injections: int, seed: int, progress) -> dict:
-    device = resolve_backend(backend)
+def _run(backend: str, steps: int, injections: int, seed: int, progress, notice) -> dict:
+    note = None
+    if backend == "auto":
+        usable, why = cuda_status()
+        device = "cuda" if usable else "cpu"
+        if not usable and why.startswith("CuPy is installed"):
+            note = f"{why}: running on the NumPy backend"
+            notice(note)
+    else:
+        device = resolve_backend(backend)
     t0 = time.perf_counter()
     progress(f"kvcanary selftest on {'the NumPy backend (cpu)' if device == 'cpu' else 'CUDA'}: "
              f"{steps} clean steps, {injections} injections x {len(FAULTS)} fault classes, seed {seed}")
@@ -186,7 +216,8 @@ def _run(backend: str, steps: int, injections: int, seed: int, progress) -> dict
     elapsed = time.perf_counter() - t0
     ok = clean["violations"] == 0 and clean["input_errors"] == 0 and all(c.ok for c in classes)
     return {"ok": ok, "backend": "numpy" if device == "cpu" else "cuda", "device": device, "seed": seed,
-            "seconds": round(elapsed, 2), "clean": clean, "classes": [c.as_dict() for c in classes]}
+            "backend_note": note, "seconds": round(elapsed, 2), "clean": clean,
+            "classes": [c.as_dict() for c in classes]}
 
 
 def format_table(report: dict) -> str:
@@ -201,11 +232,12 @@ def format_table(report: dict) -> str:
     lines = ["  ".join(x.ljust(w) if j in (1, 2) else x.rjust(w) for j, (x, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    clean_steps = cl["steps"] + sum(c["clean_steps"] for c in report["classes"])
+    before = sum(c["clean_steps"] for c in report["classes"])
     fp = cl["violations"] + sum(c["false_positives"] for c in report["classes"])
     lines.append("")
-    lines.append(f"clean steps: {clean_steps} ({cl['steps']} in the clean run), false positives: {fp}, "
-                 f"input errors: {cl['input_errors']}, plan overflows: {cl['overflows']}, "
+    lines.append(f"clean steps (no fault in effect): {cl['steps'] + before} = {cl['steps']} in the clean run "
+                 f"+ {before} in the injection runs before their fault fired; false positives over them: {fp}")
+    lines.append(f"clean run: input errors: {cl['input_errors']}, plan overflows: {cl['overflows']}, "
                  f"prefix hits: {cl['prefix_hits']}")
     lines.append("median steps: steps after the first step that could see the fault (0: that very step)")
     lines.append(f"{'PASS' if report['ok'] else 'FAIL'} in {report['seconds']:.1f} s on {report['backend']}")
@@ -213,20 +245,31 @@ def format_table(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvcanary_cupy selftest",
-                                 description="Clean run plus every fault class on a simulated paged-KV engine.")
-    ap.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto")
+    ap = argparse.ArgumentParser(
+        prog="python -m kvcanary_cupy selftest",
+        description="Clean run plus every fault class on a simulated paged-KV engine. Exits 0 when every "
+                    "injected fault is caught and the clean run reports nothing, 1 otherwise.")
+    ap.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
+                    help="auto (default): CUDA when CuPy is installed and sees a device, else the NumPy "
+                         "backend; numpy: the NumPy reference on the CPU; cuda: the CUDA kernels through CuPy")
     ap.add_argument("--steps", type=int, default=2000, help="clean-run steps (default 2000)")
     ap.add_argument("--injections", type=int, default=20, help="injections per fault class (default 20)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the simulated engines and the fault injectors (default 0)")
+    ap.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
     if args.steps < 0 or args.injections < 1:
         ap.error("--steps must be >= 0 and --injections >= 1")
+    if args.backend == "cuda":
+        usable, why = cuda_status()
+        if not usable:
+            print(f"kvcanary: selftest: --backend cuda needs CuPy and a CUDA device: {why}; "
+                  "run with --backend numpy (or auto) for the NumPy backend", file=sys.stderr)
+            return 2
     progress = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     report = run(backend=args.backend, steps=args.steps, injections=args.injections, seed=args.seed,
-                 progress=progress)
+                 progress=progress, notice=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(report))
     for c in report["classes"]:
         for m in c["misses"][:3]:

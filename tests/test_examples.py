@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -18,21 +19,40 @@ def run_example(name, *args, env=None):
     return out.stdout
 
 
+def check_violation_lines(out):
+    """Each violation line is printed once, and an "expected token -1" is explained where it appears."""
+    lines = [ln for ln in out.splitlines() if "kvcanary violation" in ln]
+    assert lines, out
+    assert len(lines) == len(set(lines)), "a violation line is printed more than once:\n" + out
+    all_lines = out.splitlines() + [""]
+    for i, ln in enumerate(all_lines):
+        if "expected token -1" in ln and "not checked" not in ln:
+            j = i + 1
+            while "kvcanary violation" in all_lines[j]:
+                j += 1
+            assert "-1" in all_lines[j] and "not checked" in all_lines[j], \
+                f"'expected token -1' is not explained after the violation lines: {ln}"
+
+
 def test_numpy_quickstart():
     out = run_example("numpy_quickstart.py")
     assert "clean steps, violations: []" in out and "caught:" in out and "monitor raised:" in out
+    check_violation_lines(out)
 
 
 def test_torch_decode_loop_cpu():
     pytest.importorskip("torch")
     out = run_example("torch_decode_loop.py", "--device", "cpu")
     assert "fault caught" in out and "request 'req-2'" in out
+    check_violation_lines(out)
+    assert re.search(r"reported by [2-9]\d* steps", out), out  # the repeats are counted, not repeated
 
 
 def test_jax_paged_cache_cpu():
     pytest.importorskip("jax")
     out = run_example("jax_paged_cache.py", "--device", "cpu", env={"JAX_PLATFORMS": "cpu"})
     assert "fault caught" in out and "request 'bob'" in out
+    check_violation_lines(out)
 
 
 @pytest.mark.gpu
@@ -42,6 +62,7 @@ def test_torch_decode_loop_cuda_graph():
         pytest.skip("PyTorch sees no CUDA device")
     out = run_example("torch_decode_loop.py", "--device", "cuda")
     assert "fault caught" in out and "(graph replays)" in out
+    check_violation_lines(out)
 
 
 @pytest.mark.gpu
@@ -55,3 +76,4 @@ def test_jax_paged_cache_cuda():
         pytest.skip("JAX sees no GPU (a CPU-only jax is installed)")
     out = run_example("jax_paged_cache.py", "--device", "cuda", env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     assert "fault caught" in out
+    check_violation_lines(out)

@@ -32,8 +32,34 @@ def test_import_pulls_in_no_framework():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+def test_the_test_extra_brings_what_the_wheel_build_needs():
+    """The wheel test builds without build isolation, so `pip install -e '.[test]'` (the README's
+    test command) must bring the build backend pyproject.toml names: a fresh venv has an older
+    setuptools and no wheel package."""
+    import configparser  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    test = {re.split(r"[<>=!~ ;\[]", r.strip(), maxsplit=1)[0]: r.strip()
+            for r in cfg["options.extras_require"]["test"].splitlines() if r.strip()}
+    build = re.search(r"\[build-system\][^\[]*?requires\s*=\s*\[(.*?)\]", (ROOT / "pyproject.toml").read_text(),
+                      flags=re.S)
+    backend = re.findall(r'"([^"]+)"', build.group(1))
+    assert backend, "pyproject.toml names no build requirement"
+    for req in backend:
+        name = re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0]
+        assert name in test, f"the test extra lacks {req}"
+        if req != name:
+            assert test[name] == req, (test[name], req)
+
+
 @pytest.mark.slow
 def test_wheel_installs_and_finds_kernels(tmp_path):
+    import importlib.util  # noqa: PLC0415
+
+    missing = [m for m in ("setuptools", "wheel") if importlib.util.find_spec(m) is None]
+    assert not missing, f"the wheel build needs {' and '.join(missing)}: pip install -e '.[test]' brings them"
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(dist), str(ROOT)], check=True)

@@ -70,12 +70,34 @@ def test_main_writes_json(tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
-def test_resolve_backend():
+def fake_cupy(device_count):
+    """A stand-in ``cupy`` module whose runtime reports ``device_count`` devices, or raises it."""
+    import types  # noqa: PLC0415
+
+    def count():
+        if isinstance(device_count, BaseException):
+            raise device_count
+        return device_count
+
+    mod = types.ModuleType("cupy")
+    mod.__version__ = "14.0.0"
+    mod.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=count))
+    return mod
+
+
+def test_resolve_backend(monkeypatch):
     assert selftest.resolve_backend("numpy") == "cpu"
     assert selftest.resolve_backend("cuda") == "cuda"
-    assert selftest.resolve_backend("auto") in ("cpu", "cuda")
     with pytest.raises(ValueError, match="kvcanary: backend"):
         selftest.resolve_backend("tpu")
+    monkeypatch.setitem(sys.modules, "cupy", None)  # CuPy not installed
+    assert selftest.resolve_backend("auto") == "cpu"
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(RuntimeError("cudaErrorNoDevice")))  # no driver / device
+    assert selftest.resolve_backend("auto") == "cpu"
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(0))
+    assert selftest.resolve_backend("auto") == "cpu"
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(2))  # CuPy sees devices: auto picks CUDA
+    assert selftest.resolve_backend("auto") == "cuda"
 
 
 def test_cli_commands(monkeypatch, capsys):

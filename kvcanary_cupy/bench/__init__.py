@@ -21,20 +21,29 @@ import sys
 __all__ = ["main"]
 
 
+DESCRIPTION = ("Time plan / verify / write against the memory floor, a bare kernel launch and a PyTorch "
+               "baseline, on one GPU. Writes every figure as JSON, prints a markdown report and, last, a short "
+               "table of the targets. Needs a CUDA device visible to CuPy; --device cpu runs the harness on the "
+               "NumPy reference and CPU torch instead, a check of the harness whose figures mean nothing.")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvcanary_cupy bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvcanary_cupy bench", description=DESCRIPTION)
     ap.add_argument("--quick", action="store_true", help="a tiny subset (seconds): the smoke test")
     ap.add_argument("--json", metavar="PATH", default="kvcanary_bench.json",
                     help="where the JSON results go (default: %(default)s)")
     ap.add_argument("--markdown", metavar="PATH", default=None,
                     help="markdown file whose bench block is rewritten (created if missing)")
-    ap.add_argument("--runs", type=int, default=None, help="timed runs per figure (default 50; 5 with --quick)")
+    ap.add_argument("--runs", type=int, default=None, metavar="N",
+                    help="timed runs per figure (default 50; 5 with --quick)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline")
-    ap.add_argument("--only", metavar="REGEX", default=None, help="only the cases whose name matches")
+    ap.add_argument("--only", metavar="REGEX", default=None,
+                    help="only the cases whose name matches the regular expression (re.search)")
     ap.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                     help="wall-clock budget: the baseline stops at 85%% of it, the remaining cases at 100%%")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cuda (default), or cpu: a dry run of the harness on the NumPy reference")
+                    help="cuda (default): the current CUDA device through CuPy; cpu: a dry run of the harness "
+                         "on the NumPy reference, whose figures mean nothing and whose targets do not apply")
     return ap
 
 
@@ -45,7 +54,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"kvcanary: --runs: expected >= 1, got {args.runs}")
 
     from . import cases, report  # noqa: PLC0415
-    from .platforms import make_platform  # noqa: PLC0415
+    from .platforms import NoCudaDevice, make_platform  # noqa: PLC0415
     from .runner import Runner  # noqa: PLC0415
 
     suite = cases.quick_suite() if args.quick else cases.full_suite()
@@ -54,7 +63,12 @@ def main(argv=None) -> int:
     if args.budget is not None:
         suite = dataclasses.replace(suite, soft_deadline_s=0.85 * args.budget, hard_deadline_s=args.budget)
     suite = cases.select(suite, args.only)
-    platform = make_platform(args.device)
+    try:
+        platform = make_platform(args.device)
+    except NoCudaDevice as e:
+        print(f"kvcanary: bench: {e}; the bench measures a GPU: run with --device cpu for a dry run of the "
+              "harness on the NumPy reference", file=sys.stderr)
+        return 2
     try:
         results = Runner(suite, platform, baseline=not args.no_baseline).run()
     finally:

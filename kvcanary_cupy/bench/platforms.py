@@ -251,10 +251,39 @@ class CpuPlatform:
         raise NotImplementedError("CUDA graphs need a CUDA device")
 
 
+class NoCudaDevice(RuntimeError):
+    """``--device cuda`` on a machine where CuPy is missing or sees no CUDA device."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text and text[0] else type(e).__name__
+
+
+def cuda_device_count() -> int:
+    """Devices CuPy sees; raises :class:`NoCudaDevice` (saying why) when there are none."""
+    try:
+        import cupy as cp  # noqa: PLC0415
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "cupy":
+            raise NoCudaDevice(f"no CUDA device: CuPy cannot be imported ({_first_line(e)})") from e
+        raise NoCudaDevice("no CUDA device: CuPy is not installed") from e
+    except Exception as e:  # noqa: BLE001  (a broken CuPy install: no CUDA platform either)
+        raise NoCudaDevice(f"no CUDA device: CuPy cannot be imported ({_first_line(e)})") from e
+    try:
+        n = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as e:  # noqa: BLE001  (no driver, driver too old, no device)
+        raise NoCudaDevice(f"no CUDA device: CuPy found none ({_first_line(e)})") from e
+    if n < 1:
+        raise NoCudaDevice("no CUDA device: CuPy found none (device count 0)")
+    return n
+
+
 def make_platform(kind: str):
     if kind == "cpu":
         return CpuPlatform()
     if kind == "cuda":
+        cuda_device_count()
         return CudaPlatform()
     raise ValueError(f"kvcanary: --device: expected 'cuda' or 'cpu', got {kind!r}")
 

@@ -1,0 +1,83 @@
+"""``python -m kvcanary_cupy selftest`` as a newcomer meets it: which backend and why, and what
+the summary's numbers are.
+
+A stand-in ``cupy`` package on PYTHONPATH plays "CuPy installed, no CUDA device" (or
+"not installed") whatever this machine really has.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from kvcanary_cupy import selftest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+NO_DEVICE = '''
+__version__ = "14.0.0"
+class CUDARuntimeError(RuntimeError):
+    pass
+class _Runtime:
+    @staticmethod
+    def getDeviceCount():
+        raise CUDARuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+class cuda:
+    runtime = _Runtime
+'''
+NOT_INSTALLED = "raise ModuleNotFoundError(\"No module named 'cupy'\", name='cupy')\n"
+
+
+def fake_cupy_env(tmp_path, source):
+    pkg = tmp_path / "fake" / "cupy"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(source)
+    path = os.pathsep.join([str(tmp_path / "fake"), ROOT, os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def selftest_cli(env, *args):
+    return subprocess.run([sys.executable, "-m", "kvcanary_cupy", "selftest", "--steps", "20", "--injections", "1",
+                           *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_auto_says_why_it_runs_on_numpy_when_cupy_sees_no_device(tmp_path):
+    env = fake_cupy_env(tmp_path, NO_DEVICE)
+    for quiet in ((), ("--quiet",)):
+        out = selftest_cli(env, *quiet)
+        assert out.returncode == 0, out.stdout + out.stderr
+        notes = [ln for ln in out.stderr.splitlines() if "CuPy is installed" in ln]
+        assert len(notes) == 1, out.stderr
+        assert "found no CUDA device" in notes[0] and "cudaErrorNoDevice" in notes[0]
+        assert notes[0].endswith("running on the NumPy backend")
+        assert out.stdout.rstrip().endswith("on numpy")
+
+
+def test_auto_without_cupy_runs_on_numpy_without_that_note(tmp_path):
+    out = selftest_cli(fake_cupy_env(tmp_path, NOT_INSTALLED))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "CuPy is installed" not in out.stderr and "NumPy backend" in out.stderr
+
+
+@pytest.mark.parametrize("source", [NO_DEVICE, NOT_INSTALLED], ids=["no-device", "not-installed"])
+def test_backend_cuda_without_a_device_is_one_line_not_a_traceback(tmp_path, source):
+    out = selftest_cli(fake_cupy_env(tmp_path, source), "--backend", "cuda")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvcanary: selftest:"), out.stderr
+    assert "--backend numpy" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_the_clean_step_counts_are_explained_and_add_up():
+    report = selftest.run(backend="numpy", steps=40, injections=1, seed=1, progress=lambda s: None)
+    table = selftest.format_table(report)
+    m = re.search(r"clean steps \(no fault in effect\): (\d+) = (\d+) in the clean run \+ (\d+) in the "
+                  r"injection runs before their fault fired; false positives over them: (\d+)", table)
+    assert m, table
+    total, clean, before, fp = map(int, m.groups())
+    assert clean == report["clean"]["steps"] == 40
+    assert before == sum(c["clean_steps"] for c in report["classes"]) > 0
+    assert total == clean + before and fp == 0
