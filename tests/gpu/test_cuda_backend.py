@@ -160,7 +160,7 @@ def test_skip_counters_match_reference(cp):
     def run(device):
         xp = np if device == "cpu" else cp
         canary = kc.CanaryBuffer.allocate(num_slots=N, device=device)
-        log = kc.ViolationLog.allocate(capacity=64, device=device)
+        log = kc.ViolationLog.allocate(capacity=4096, device=device)  # every row kept: GPU order varies
         vp = kc.VerifyPlan.allocate(capacity=100, max_batch=4, device=device)
         wp = kc.WritePlan.allocate(max_batch=4, device=device)
         w = dict(input_ids=xp.asarray(ids), positions=xp.asarray(pos), out_cache_loc=xp.asarray(loc), log=log,
