@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _runtime, arrays
+from . import arrays, runtime
 from .plans import VerifyPlan
 
 _ENTRY_FIELDS = VerifyPlan.ENTRY_FIELDS  # slot, prev, expected position, expected token
@@ -105,17 +105,17 @@ class SweepPlanner:
         self.device = device
         self.budget = budget
         self.max_chains = max_chains
-        self.entries = arrays.empty((len(_ENTRY_FIELDS), budget), np.int64, device, fill=-1)
-        self.meta = arrays.empty((max_chains + 1 + _NUM_SCALARS,), np.int64, device, fill=0)
+        self.entries = runtime.empty((len(_ENTRY_FIELDS), budget), np.int64, device, fill=-1)
+        self.meta = runtime.empty((max_chains + 1 + _NUM_SCALARS,), np.int64, device, fill=0)
         mb1 = max_chains + 1
         scal = {f: self.meta[mb1 + i: mb1 + i + 1] for i, f in enumerate(VerifyPlan.SCALAR_FIELDS)}
         self.plan = VerifyPlan.from_buffers(**{f: self.entries[i] for i, f in enumerate(_ENTRY_FIELDS)},
                                             offsets=self.meta[:mb1], **scal)
-        cpu = _runtime.is_cpu(device)
-        self._h_entries = self.entries if cpu else np.empty_like(arrays.to_host(self.entries))
+        cpu = runtime.is_cpu(device)
+        self._h_entries = self.entries if cpu else np.empty_like(runtime.to_host(self.entries))
         self._h_meta = self.meta if cpu else np.zeros(self.meta.shape, np.int64)
-        self._iota = arrays.empty((budget,), np.int64, device)
-        _runtime.put(self._iota, np.arange(budget, dtype=np.int64))
+        self._iota = runtime.empty((budget,), np.int64, device)
+        runtime.put(self._iota, np.arange(budget, dtype=np.int64))
         self.cursor = 0  # entry index (into the concatenation of all chains) the next slice starts at
 
     def fill(self, chains: list, ptr=None) -> tuple[int, list]:
@@ -130,7 +130,7 @@ class SweepPlanner:
             off -= lens[ci]
             ci += 1
         host = all(isinstance(c.slots, np.ndarray) and (c.tokens is None or isinstance(c.tokens, np.ndarray))
-                   for c in chains) or _runtime.is_cpu(self.device)
+                   for c in chains) or runtime.is_cpu(self.device)
         taken, pieces, keys = 0, [], []
         want = min(self.budget, total)
         while taken < want and len(pieces) < self.max_chains:
@@ -151,15 +151,15 @@ class SweepPlanner:
         for k, (_, _, _, at) in enumerate(pieces):
             m[k] = at
         m[mb1:mb1 + _NUM_SCALARS] = (taken, 1, taken, 0)  # num_valid, enable, requested, input_errors
-        if not _runtime.is_cpu(self.device):
-            _runtime.put(self.meta, m, ptr)
+        if not runtime.is_cpu(self.device):
+            runtime.put(self.meta, m, ptr)
         self.cursor = start + taken
         return taken, keys
 
     def _fill_host(self, pieces, ptr) -> None:
         e = self._h_entries
         for chain, i, n, at in pieces:
-            s = arrays.to_host(chain.slots)
+            s = runtime.to_host(chain.slots)
             e[0, at:at + n] = s[i:i + n]
             e[1, at] = chain.prev_slot if i == 0 else s[i - 1]
             e[1, at + 1:at + n] = s[i:i + n - 1]
@@ -167,24 +167,24 @@ class SweepPlanner:
             if chain.tokens is None:
                 e[3, at:at + n] = -1
             else:
-                e[3, at:at + n] = arrays.to_host(chain.tokens)[i:i + n]
-        if not _runtime.is_cpu(self.device):
-            _runtime.put(self.entries, e, ptr)
+                e[3, at:at + n] = runtime.to_host(chain.tokens)[i:i + n]
+        if not runtime.is_cpu(self.device):
+            runtime.put(self.entries, e, ptr)
 
     def _fill_device(self, pieces, ptr) -> None:
-        xp = arrays.array_module(self.device)
+        xp = runtime.array_module(self.device)
         e = self.entries
-        with _runtime.on_stream(self.device, ptr):
+        with runtime.on_stream(self.device, ptr):
             for chain, i, n, at in pieces:
-                _runtime.put(e[0, at:at + n], chain.slots[i:i + n], ptr)
+                runtime.put(e[0, at:at + n], chain.slots[i:i + n], ptr)
                 if i == 0:
                     e[1, at:at + 1].fill(chain.prev_slot)
                 else:
-                    _runtime.put(e[1, at:at + 1], chain.slots[i - 1:i], ptr)
+                    runtime.put(e[1, at:at + 1], chain.slots[i - 1:i], ptr)
                 if n > 1:
-                    _runtime.put(e[1, at + 1:at + n], chain.slots[i:i + n - 1], ptr)
+                    runtime.put(e[1, at + 1:at + n], chain.slots[i:i + n - 1], ptr)
                 xp.add(self._iota[:n], chain.first_position + i, out=e[2, at:at + n])
                 if chain.tokens is None:
                     e[3, at:at + n].fill(-1)
                 else:
-                    _runtime.put(e[3, at:at + n], chain.tokens[i:i + n], ptr)
+                    runtime.put(e[3, at:at + n], chain.tokens[i:i + n], ptr)

@@ -15,141 +15,20 @@ tensors (for :class:`~kvcanary_cupy.RealKvSource`) go through PyTorch's
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
+
+from . import runtime
+from .runtime import device_of, is_cupy_array
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 INT64 = (np.dtype(np.int64),)
 
 # DLPack device types (dlpack.h, DLDeviceType)
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
-
-
-def _cupy():
-    try:
-        import cupy  # noqa: PLC0415  (lazy on purpose: the package loads without it)
-    except ImportError as e:
-        raise ValueError(
-            "kvcanary: device: a CUDA device needs CuPy, which is not installed here "
-            f"({e}); install the extra that matches the driver, pip install 'kvcanary_cupy[cuda13]' "
-            "(or [cuda12]), or pass device='cpu' for the NumPy backend") from None
-    return cupy
-
-
-def cupy_loaded() -> bool:
-    return "cupy" in sys.modules
-
-
-def is_cupy_array(x) -> bool:
-    return cupy_loaded() and isinstance(x, sys.modules["cupy"].ndarray)
-
-
-# --- devices -------------------------------------------------------------------
-def parse_device(device) -> tuple[str, int | None]:
-    """``"cpu"`` -> ("cpu", None); ``"cuda"`` -> ("cuda", current); ``"cuda:N"`` -> ("cuda", N)."""
-    if device is None or device == "cpu":
-        return ("cpu", None)
-    if isinstance(device, str) and (device == "cuda" or device.startswith("cuda:")):
-        idx = None
-        if device != "cuda":
-            try:
-                idx = int(device[5:])
-            except ValueError:
-                idx = -1
-        if idx is None or idx >= 0:
-            return ("cuda", _working_device(device, idx))
-    raise ValueError(f"kvcanary: device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-
-
-def _working_device(device: str, idx: int | None) -> int:
-    """The ordinal of a CUDA device CuPy can use (``idx``, or the current one), or a
-    ``kvcanary:`` error that says what to install or pass instead."""
-    cp = _cupy()
-    try:
-        count = int(cp.cuda.runtime.getDeviceCount())
-        if idx is None:
-            idx = int(cp.cuda.runtime.getDevice())
-    except Exception as e:  # noqa: BLE001  (CUDARuntimeError: no driver, no device, broken install)
-        raise ValueError(f"kvcanary: device: {device!r} needs a working CUDA device, but CuPy found none "
-                         f"({type(e).__name__}: {e}); pass device='cpu' for the NumPy backend") from None
-    if not 0 <= idx < count:
-        raise ValueError(f"kvcanary: device: {device!r} is not one of the {count} CUDA device(s) CuPy sees")
-    return idx
-
-
-def device_of(a) -> str:
-    """The device string of a NumPy / CuPy array: ``"cpu"`` or ``"cuda:N"``."""
-    if isinstance(a, np.ndarray):
-        return "cpu"
-    return _CUDA_NAMES[a.data.device_id]  # no Device object: this runs per argument per op
-
-
-class _CudaNames(dict):
-    def __missing__(self, idx: int) -> str:
-        self[idx] = name = f"cuda:{idx}"
-        return name
-
-
-_CUDA_NAMES = _CudaNames()
-
-
-def array_module(device: str):
-    """numpy for ``"cpu"``, cupy for a CUDA device."""
-    return np if parse_device(device)[0] == "cpu" else _cupy()
-
-
-def empty(shape, dtype, device: str, fill=None):
-    """Allocate a library-owned array on ``device`` (NumPy on cpu, CuPy on CUDA)."""
-    kind, idx = parse_device(device)
-    if kind == "cpu":
-        a = np.empty(shape, dtype=dtype)
-    else:
-        cp = _cupy()
-        with cp.cuda.Device(idx):
-            a = cp.empty(shape, dtype=dtype)
-    if fill is not None:
-        a.fill(fill)
-    return a
-
-
-# --- scalar arguments ---------------------------------------------------------
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def check_int(x, name: str, *, minimum: int | None = None, maximum: int = _INT64_MAX) -> int:
-    """A size, count or offset: a Python or NumPy integer (never a float, a bool or a
-    string, which ``int()`` would silently truncate or parse) in ``[minimum, maximum]``."""
-    if not _is_int(x):
-        raise TypeError(f"kvcanary: {name}: expected an integer, got {type(x).__name__} {x!r}")
-    v = int(x)
-    if (minimum is not None and v < minimum) or v > maximum:
-        lo = "" if minimum is None else f">= {minimum}"
-        hi = "" if maximum == _INT64_MAX else f"<= {maximum}"
-        raise ValueError(f"kvcanary: {name}: expected an integer {' and '.join(w for w in (lo, hi) if w)}, got {v}")
-    return v
-
-
-def check_flag(x, name: str) -> bool:
-    """A switch: ``True`` or ``False`` (a string such as ``'no'`` is truthy, so none is taken)."""
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"kvcanary: {name}: expected True or False, got {type(x).__name__} {x!r}")
-    return bool(x)
-
-
-def check_tag(x, name: str = "tag") -> int:
-    """A launch tag: an integer (e.g. a :class:`~kvcanary_cupy.LaunchTag`) that fits the
-    int64 column of a violation row."""
-    if not _is_int(x):
-        raise TypeError(f"kvcanary: {name}: expected an integer such as a LaunchTag, got {type(x).__name__} {x!r}")
-    return check_int(x, name, minimum=_INT64_MIN)
 
 
 # --- memory ranges --------------------------------------------------------------
@@ -206,71 +85,13 @@ def is_readonly(a) -> bool:
     return r is not None and r() is a
 
 
-_STREAMS: dict = {}  # (ptr, device) -> CuPy stream wrapping it
-
-
-class _StreamHandle:
-    """A raw stream pointer speaking the CUDA stream protocol."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-def cupy_stream(ptr: int, device_id: int):
-    """A (cached) CuPy stream object for a raw ``cudaStream_t``. To run CuPy's own
-    operations on it, enter :func:`on_cupy_stream`, not the object itself."""
-    key = (ptr, device_id)
-    s = _STREAMS.get(key)
-    if s is None:
-        if len(_STREAMS) > 64:
-            _STREAMS.clear()
-        cp = _cupy()
-        if ptr == 0:
-            s = cp.cuda.Stream.null
-        elif hasattr(cp.cuda.Stream, "from_external"):  # CuPy >= 14
-            s = cp.cuda.Stream.from_external(_StreamHandle(ptr))
-        else:
-            s = cp.cuda.ExternalStream(ptr, device_id)
-        _STREAMS[key] = s
-    return s
-
-
-@contextlib.contextmanager
-def on_cupy_stream(ptr: int, device_id: int):
-    """Run the block's CuPy work on stream ``ptr``; afterwards CuPy's current stream is
-    the caller's again.
-
-    CuPy's ``with stream:`` alone does not promise that: leaving it can fall back to the
-    null stream instead of a stream the caller made current with ``.use()``
-    (cupy/cupy#8377). The caller's next CuPy work would then leave its own stream, unordered
-    with everything queued there, a race that only shows when the device is busy. So the
-    block switches streams only when it must, and puts the caller's stream back if CuPy
-    did not."""
-    cp = _cupy()
-    before = cp.cuda.get_current_stream()
-    if before.ptr == ptr:
-        yield before
-        return
-    try:
-        with cupy_stream(ptr, device_id) as s:
-            yield s
-    finally:
-        if cp.cuda.get_current_stream().ptr != before.ptr:
-            before.use()
-
-
 def _torch_cuda_import(obj):
     """A CuPy view of a PyTorch CUDA tensor, consumed on PyTorch's current stream."""
     torch = sys.modules["torch"]
     dev = obj.device.index if obj.device.index is not None else torch.cuda.current_device()
     ptr = int(torch.cuda.current_stream(dev).cuda_stream)
-    cp = _cupy()
-    with cp.cuda.Device(dev), on_cupy_stream(ptr, dev):
+    cp = runtime.cupy()
+    with cp.cuda.Device(dev), runtime.on_cupy_stream(ptr, dev):
         return cp.from_dlpack(obj)
 
 
@@ -293,7 +114,7 @@ def _jax_buffer_view(obj, dtype):
     except Exception:  # noqa: BLE001  (sharded, deleted or donated arrays)
         return None
     obj.block_until_ready()  # producers queue work asynchronously; once, at import
-    cp = _cupy()
+    cp = runtime.cupy()
     nbytes = int(obj.nbytes)
     mem = cp.cuda.UnownedMemory(ptr, nbytes, obj, device_id=dev)
     shape = (nbytes,) if dtype == np.uint8 else tuple(int(x) for x in obj.shape)
@@ -315,7 +136,7 @@ def _from_foreign(obj, name: str):
                     return _torch_cuda_import(obj)
                 if _is_jax(obj):
                     return _mark_readonly(_jax_import(obj))
-                return _cupy().from_dlpack(obj)
+                return runtime.cupy().from_dlpack(obj)
         except (BufferError, TypeError, RuntimeError, ValueError) as e:
             raise TypeError(
                 f"kvcanary: {name}: cannot be imported zero-copy through DLPack ({e}); "
@@ -323,7 +144,7 @@ def _from_foreign(obj, name: str):
             ) from e
         raise TypeError(f"kvcanary: {name}: DLPack device type {dev_type} is not supported (CPU or CUDA expected)")
     if hasattr(obj, "__cuda_array_interface__"):
-        return _cupy().asarray(obj)
+        return runtime.cupy().asarray(obj)
     if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
         a = np.asarray(obj)
         if a.dtype == object:
@@ -339,7 +160,7 @@ def _jax_import(obj):
     """DLPack first; JAX builds that refuse to export to CuPy fall back to the
     buffer pointer (same memory, same dtype)."""
     try:
-        return _cupy().from_dlpack(obj)
+        return runtime.cupy().from_dlpack(obj)
     except (BufferError, TypeError, RuntimeError, ValueError):
         try:
             dtype = np.dtype(obj.dtype)
@@ -450,46 +271,6 @@ def _producer_byte_view(obj, name: str = "tensor"):
                 "one GPU (not sharded, not deleted); pass jax.lax.bitcast_convert_type(x, jnp.uint8) instead")
         return _mark_readonly(view)
     return None
-
-
-def to_host(a) -> np.ndarray:
-    """A NumPy copy (synchronizing for CuPy arrays): for tests, read() and debugging."""
-    if isinstance(a, np.ndarray):
-        return a
-    return a.get()
-
-
-# --- streams -----------------------------------------------------------------
-def is_torch(obj) -> bool:
-    return type(obj).__module__.startswith("torch")
-
-
-def resolve_stream(stream, inputs: Iterable[Any] = ()):
-    """The CUDA stream (raw pointer, int) an op runs on.
-
-    ``stream`` may be an object with ``__cuda_stream__`` (cuda.core, PyTorch >= 2.6),
-    a CuPy stream, a PyTorch stream, or a raw ``cudaStream_t`` int. Default:
-    PyTorch's current stream when any input is a PyTorch tensor, else CuPy's.
-    """
-    if stream is None:
-        if "torch" in sys.modules:
-            for x in inputs:
-                if is_torch(x) and getattr(x, "is_cuda", False):
-                    return int(sys.modules["torch"].cuda.current_stream(x.device).cuda_stream)
-        return int(_cupy().cuda.get_current_stream().ptr)
-    if isinstance(stream, int):
-        return stream
-    if hasattr(stream, "__cuda_stream__"):
-        proto = stream.__cuda_stream__
-        proto = proto() if callable(proto) else proto
-        return int(proto[1])
-    for attr in ("ptr", "cuda_stream", "handle"):
-        if hasattr(stream, attr):
-            return int(getattr(stream, attr))
-    raise TypeError(
-        f"kvcanary: stream: expected an object with __cuda_stream__, a CuPy or PyTorch stream or a raw "
-        f"cudaStream_t int, got {type(stream).__name__}"
-    )
 
 
 def data_ptr(a) -> int:

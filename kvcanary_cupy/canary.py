@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays
+from . import arrays, runtime, scalars
 from .format import KV_CHUNK_BYTES, RECORD_WORDS
 
 
@@ -37,8 +37,8 @@ class CanaryBuffer:
 
     @classmethod
     def allocate(cls, *, num_slots: int, device: str = "cpu") -> "CanaryBuffer":
-        num_slots = arrays.check_int(num_slots, "num_slots", minimum=1)
-        return cls(arrays.empty((num_slots, RECORD_WORDS), np.int64, device, fill=0))
+        num_slots = scalars.check_int(num_slots, "num_slots", minimum=1)
+        return cls(runtime.empty((num_slots, RECORD_WORDS), np.int64, device, fill=0))
 
     @property
     def num_slots(self) -> int:
@@ -46,11 +46,11 @@ class CanaryBuffer:
 
     @property
     def device(self) -> str:
-        return arrays.device_of(self.records)
+        return runtime.device_of(self.records)
 
     def host_records(self) -> np.ndarray:
         """A NumPy copy of the records (synchronizes on CUDA)."""
-        return np.array(arrays.to_host(self.records), copy=True)
+        return np.array(runtime.to_host(self.records), copy=True)
 
 
 class RealKvSource:
@@ -85,14 +85,14 @@ class RealKvSource:
         if tensor is None or isinstance(tensor, RealKvSource):
             raise TypeError(f"kvcanary: tensor: expected the KV pool array, got {type(tensor).__name__}")
         flat = arrays.as_byte_view(tensor, "tensor")
-        num_layers = _leading_dim(tensor) if arrays.check_flag(layer_axis, "layer_axis") else 1
+        num_layers = _leading_dim(tensor) if scalars.check_flag(layer_axis, "layer_axis") else 1
         if num_layers < 1 or flat.shape[0] % num_layers:
             raise ValueError(f"kvcanary: tensor: a layer axis of {num_layers} does not divide {flat.shape[0]} bytes")
-        page_size = arrays.check_int(page_size, "page_size", minimum=1)
+        page_size = scalars.check_int(page_size, "page_size", minimum=1)
         if bytes_per_token is None:
             raise ValueError("kvcanary: bytes_per_token: expected the bytes of one slot (a multiple of 16), got None")
-        bpt = arrays.check_int(bytes_per_token, "bytes_per_token")
-        rb = bpt if read_bytes is None else arrays.check_int(read_bytes, "read_bytes")
+        bpt = scalars.check_int(bytes_per_token, "bytes_per_token")
+        rb = bpt if read_bytes is None else scalars.check_int(read_bytes, "read_bytes")
         if bpt <= 0 or bpt % KV_CHUNK_BYTES:
             raise ValueError(f"kvcanary: bytes_per_token: expected a positive multiple of 16, got {bpt}")
         if rb <= 0 or rb % KV_CHUNK_BYTES or rb > bpt:
@@ -120,7 +120,7 @@ class RealKvSource:
 
     @property
     def device(self) -> str:
-        return arrays.device_of(self.data)
+        return runtime.device_of(self.data)
 
     def __repr__(self) -> str:
         return (f"RealKvSource(num_slots={self.num_slots}, page_size={self.page_size}, "

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import _runtime, arrays, ops
+from . import arrays, ops, runtime, scalars
 from ._sweep import SweepChain, SweepPlanner
 from .canary import CanaryBuffer, RealKvSource
 from .format import COUNTER_NAMES, LaunchTag, RealKvMode
@@ -47,7 +47,7 @@ def _tally_plan(sc, device: str, ptr) -> None:
         sc[_ENABLED] += sc[_ENABLE]
         sc[_MAX_REQUESTED] = max(sc[_MAX_REQUESTED], sc[_REQUESTED])
         return
-    with _runtime.on_stream(device, ptr):
+    with runtime.on_stream(device, ptr):
         _tally_kernel()(sc, size=1)
 
 
@@ -115,14 +115,14 @@ class _Group:
         self.name = name
         self.device = device
         self.canary = CanaryBuffer.allocate(num_slots=num_slots, device=device)
-        self.sc = arrays.empty((_NUM_SCALARS,), np.int64, device, fill=0)
+        self.sc = runtime.empty((_NUM_SCALARS,), np.int64, device, fill=0)
         self.sc[_POSITION_CHECK:_POSITION_CHECK + 1].fill(1)
         self.sc[_NUM_ROWS:_NUM_ROWS + 1].fill(-1)  # never planned, like WritePlan.allocate
         self.hard_capacity = hard_capacity
-        self.vp = self._verify_plan(capacity, offsets=arrays.empty((max_batch + 1,), np.int64, device, fill=0))
+        self.vp = self._verify_plan(capacity, offsets=runtime.empty((max_batch + 1,), np.int64, device, fill=0))
         self.wp = WritePlan.from_buffers(
-            offsets=arrays.empty((max_batch + 1,), np.int64, device, fill=0),
-            seed_slots=arrays.empty((max_batch,), np.int64, device, fill=-1),
+            offsets=runtime.empty((max_batch + 1,), np.int64, device, fill=0),
+            seed_slots=runtime.empty((max_batch,), np.int64, device, fill=-1),
             num_rows=self.sc[_NUM_ROWS:_NUM_ROWS + 1], input_errors=self.sc[_WP_ERRORS:_WP_ERRORS + 1],
             position_check=self.sc[_POSITION_CHECK:_POSITION_CHECK + 1])
         self.swa = swa
@@ -134,7 +134,7 @@ class _Group:
         self.reported = {"overflows": 0, "input_errors": 0}
 
     def _verify_plan(self, capacity: int, offsets) -> VerifyPlan:
-        e = {f: arrays.empty((capacity,), np.int64, self.device, fill=-1) for f in VerifyPlan.ENTRY_FIELDS}
+        e = {f: runtime.empty((capacity,), np.int64, self.device, fill=-1) for f in VerifyPlan.ENTRY_FIELDS}
         s = self.sc
         return VerifyPlan.from_buffers(**e, offsets=offsets, num_valid=s[_NUM_VALID:_NUM_VALID + 1],
                                        enable=s[_ENABLE:_ENABLE + 1], requested=s[_REQUESTED:_REQUESTED + 1],
@@ -261,32 +261,32 @@ class KvCanary:
                  policy: str | Callable = "log", max_tokens: int | None = None, sweep_budget: int = 1024,
                  sweep_max_chains: int = 64, history: int = 256):
         self.policy = self._check_policy(policy)
-        kind, _ = arrays.parse_device(device)
-        self.device = "cpu" if kind == "cpu" else arrays.device_of(arrays.empty((1,), np.int64, device))
-        self.xp = arrays.array_module(self.device)
-        self.max_batch = arrays.check_int(max_batch, "max_batch", minimum=1)
-        num_slots = arrays.check_int(num_slots, "num_slots", minimum=1)
-        draft = arrays.check_flag(draft, "draft")
-        ring_capacity = arrays.check_int(ring_capacity, "ring_capacity", minimum=1)
-        sweep_budget = arrays.check_int(sweep_budget, "sweep_budget", minimum=1)
-        sweep_max_chains = arrays.check_int(sweep_max_chains, "sweep_max_chains", minimum=1)
-        history = arrays.check_int(history, "history", minimum=1)
+        kind, _ = runtime.parse_device(device)
+        self.device = "cpu" if kind == "cpu" else runtime.device_of(runtime.empty((1,), np.int64, device))
+        self.xp = runtime.array_module(self.device)
+        self.max_batch = scalars.check_int(max_batch, "max_batch", minimum=1)
+        num_slots = scalars.check_int(num_slots, "num_slots", minimum=1)
+        draft = scalars.check_flag(draft, "draft")
+        ring_capacity = scalars.check_int(ring_capacity, "ring_capacity", minimum=1)
+        sweep_budget = scalars.check_int(sweep_budget, "sweep_budget", minimum=1)
+        sweep_max_chains = scalars.check_int(sweep_max_chains, "sweep_max_chains", minimum=1)
+        history = scalars.check_int(history, "history", minimum=1)
         if fingerprint_sample_period is not None:
-            fingerprint_sample_period = arrays.check_int(fingerprint_sample_period, "fingerprint_sample_period",
+            fingerprint_sample_period = scalars.check_int(fingerprint_sample_period, "fingerprint_sample_period",
                                                          minimum=1)
         if max_tokens is not None:
-            max_tokens = arrays.check_int(max_tokens, "max_tokens", minimum=0)
+            max_tokens = scalars.check_int(max_tokens, "max_tokens", minimum=0)
 
         # --- the slot table, bound once -------------------------------------
         self._table_kw, table, self.page_size = ops.slot_table(req_to_token, block_table, page_size)
         self.table = arrays.as_index_array(table, self._table_kw, ndim=2, device=self.device)
-        self._torch_inputs = arrays.is_torch(table)
+        self._torch_inputs = runtime.is_torch(table)
         width = min(int(self.table.shape[1]) * self.page_size, (1 << 63) - 1)
 
         # --- expected tokens --------------------------------------------------
         self.token_offset = check_token_offset(token_offset if token_offset is not None else (1 if draft else 0),
                                                "token_offset")
-        self._valid_lens = arrays.empty((self.max_batch,), np.int64, self.device, fill=0)
+        self._valid_lens = runtime.empty((self.max_batch,), np.int64, self.device, fill=0)
         self.expected_table = None
         self._expected = None
         if expected_tokens is not None:
@@ -297,8 +297,8 @@ class KvCanary:
         srcs = ops.source_tuple(real_kv)
         mode = ops.real_kv_mode_of(real_kv_mode) if real_kv_mode is not None else (
             RealKvMode.PARTIAL if srcs else RealKvMode.NONE)
-        self.grow_on_overflow = arrays.check_flag(grow_on_overflow, "grow_on_overflow")
-        self.verify_after = arrays.check_flag(verify_after, "verify_after")
+        self.grow_on_overflow = scalars.check_flag(grow_on_overflow, "grow_on_overflow")
+        self.verify_after = scalars.check_flag(verify_after, "verify_after")
         cap, hard = _capacity_rule(verify_capacity, max_batch=self.max_batch, width=width, num_slots=num_slots,
                                    window=None, name="verify_capacity")
         tags = ((LaunchTag.VERIFY_DRAFT, LaunchTag.WRITE_DRAFT, LaunchTag.VERIFY_AFTER) if draft else
@@ -310,9 +310,9 @@ class KvCanary:
         if swa is not None:
             if not isinstance(swa, SwaGroup):
                 raise TypeError(f"kvcanary: swa: expected a SwaGroup, got {type(swa).__name__}")
-            window = SwaWindow(arrays.check_int(swa.window, "swa.window", minimum=1),
+            window = SwaWindow(scalars.check_int(swa.window, "swa.window", minimum=1),
                                arrays.as_index_array(swa.lut, "swa.lut", device=self.device))
-            swa_slots = arrays.check_int(swa.num_slots, "swa.num_slots", minimum=1)
+            swa_slots = scalars.check_int(swa.num_slots, "swa.num_slots", minimum=1)
             ssrcs = ops.source_tuple(swa.real_kv, "swa.real_kv")
             smode = ops.real_kv_mode_of(swa.real_kv_mode, "swa.real_kv_mode") if swa.real_kv_mode is not None else (
                 mode if ssrcs else RealKvMode.NONE)
@@ -352,7 +352,7 @@ class KvCanary:
         self._history = history
         self._seq = 0
         self._min_seq = 1  # snapshots before this were invalidated by a log clear
-        self._heads = arrays.empty((self._history,), np.int64, self.device, fill=0)
+        self._heads = runtime.empty((self._history,), np.int64, self.device, fill=0)
         self._ids: collections.OrderedDict = collections.OrderedDict()  # seq -> request id per batch row
         self._rows_seen = 0  # ring rows poll() has returned (their ring indices are consecutive)
         self._staged_seq = 0
@@ -363,7 +363,7 @@ class KvCanary:
         self._replay_ids: collections.OrderedDict = collections.OrderedDict()
         self._staged_replay = 0
         # One pinned copy per poll: every group's scalars, the head snapshots, the log's counters.
-        self._reader = _runtime.HostReader(self.device, [g.sc for g in self.groups]
+        self._reader = runtime.HostReader(self.device, [g.sc for g in self.groups]
                                            + [self._heads, self.log.counter_array])
         self._writes_skipped_seen = 0
 
@@ -422,7 +422,7 @@ class KvCanary:
                 continue
             self._bound[name] = arrays.as_index_array(obj, name, device=self.device)
             self._bound_slices.clear()
-            if arrays.is_torch(obj):
+            if runtime.is_torch(obj):
                 self._torch_inputs = True
         if self.swa is not None and "out_cache_loc" in self._bound:
             self._swa_buffers(int(self._bound["out_cache_loc"].shape[0]))
@@ -527,7 +527,7 @@ class KvCanary:
         reuse the memory under a queued kernel. Released two polls later (see :meth:`poll`)."""
         self._hold_new.append(view)
         if len(self._hold_new) > 1024:  # nobody polls: settle once rather than grow without bound
-            _runtime.synchronize(self.device)
+            runtime.synchronize(self.device)
             self._hold_new.clear()
             self._hold_old = []
 
@@ -536,16 +536,16 @@ class KvCanary:
         done, and no longer: an event marks that point, and at most two generations wait (a JAX
         engine rebinds a new KV pool every step, so holding them until a poll could keep many
         pools alive)."""
-        self._retired.append((_runtime.mark(self.device, self._stream(None)), old))
+        self._retired.append((runtime.mark(self.device, self._stream(None)), old))
         while len(self._retired) > 2:
-            _runtime.wait(self._retired.popleft()[0])
+            runtime.wait(self._retired.popleft()[0])
 
     def _stream(self, stream, objs=()):
         if self.device == "cpu":
             return None
         if stream is None and self._torch_inputs and "torch" in sys.modules:
             return int(sys.modules["torch"].cuda.current_stream().cuda_stream)
-        return arrays.resolve_stream(stream, objs)
+        return runtime.resolve_stream(stream, objs)
 
     # ------------------------------------------------------------------ warm-up
     def set_position_check(self, on: bool, stream=None) -> None:
@@ -559,7 +559,7 @@ class KvCanary:
             >>> int(mon.write_plan.position_check[0])
             0
         """
-        with _runtime.on_stream(self.device, self._stream(stream)):
+        with runtime.on_stream(self.device, self._stream(stream)):
             for g in self.groups:
                 g.wp.set_position_check(on)
 
@@ -590,9 +590,9 @@ class KvCanary:
         """Discard warm-up results (violations, input errors, overflow counts, step count)
         and switch the position check on. Synchronizes: call it outside the hot path."""
         ptr = self._stream(stream)
-        _runtime.synchronize(self.device, ptr)
+        runtime.synchronize(self.device, ptr)
         self.log.clear(stream=ptr)
-        with _runtime.on_stream(self.device, ptr):
+        with runtime.on_stream(self.device, ptr):
             for g in self.groups:
                 for i in (_VP_ERRORS, _PLANS, _ENABLED, _MAX_REQUESTED, _WP_ERRORS):
                     g.sc[i:i + 1].fill(0)
@@ -600,7 +600,7 @@ class KvCanary:
                 g.reported = {"overflows": 0, "input_errors": 0}
             self._heads.fill(0)  # the ring restarts at 0: older snapshots mean nothing now
         self.set_position_check(True, stream)
-        _runtime.synchronize(self.device, ptr)
+        runtime.synchronize(self.device, ptr)
         self._reader.reset()
         self._rows_seen = 0
         self._min_seq = self._seq + 1
@@ -649,7 +649,7 @@ class KvCanary:
                              "after the forward (or abort_step() if the forward failed) before planning the next")
         objs = (req_pool_indices, prefix_lens, extend_lens)
         if batch_size is not None:
-            batch_size = arrays.check_int(batch_size, "batch_size", minimum=0)
+            batch_size = scalars.check_int(batch_size, "batch_size", minimum=0)
         rpi = self._arg(req_pool_indices, "req_pool_indices", batch_size)
         bs = int(rpi.shape[0])
         pre = self._arg(prefix_lens, "prefix_lens", bs, min_len=bs)
@@ -659,7 +659,7 @@ class KvCanary:
         if request_ids is not None and len(request_ids) != bs:
             raise ValueError(f"kvcanary: request_ids: expected one id per batch row ({bs}), got {len(request_ids)}")
         ptr = self._stream(stream, objs)
-        capturing = _runtime.is_capturing(self.device, ptr)
+        capturing = runtime.is_capturing(self.device, ptr)
         seq = self._next_seq(ptr)
         if capturing:
             self._captured = True
@@ -669,7 +669,7 @@ class KvCanary:
         exp = expected
         if exp is None and self._expected is not None:
             exp = self._expected
-            with _runtime.on_stream(self.device, ptr):
+            with runtime.on_stream(self.device, ptr):
                 if expected_valid_lens is not None or "expected_valid_lens" in self._bound:
                     vl = self._arg(expected_valid_lens, "expected_valid_lens", bs, min_len=bs)
                     self.xp.copyto(self._valid_lens[:bs], vl, casting="same_kind")
@@ -755,7 +755,7 @@ class KvCanary:
             raise ValueError("kvcanary: after_forward: expected a preceding before_forward() for this step")
         seq, ptr0, checked_tokens = self._step_open
         if num_tokens is not None:
-            num_tokens = arrays.check_int(num_tokens, "num_tokens", minimum=0)
+            num_tokens = scalars.check_int(num_tokens, "num_tokens", minimum=0)
         # Every argument of every group is imported and checked before the first launch, so a
         # misuse raises with no record changed (the step stays open: fix the call and repeat it).
         objs = (input_ids, positions, out_cache_loc)
@@ -787,16 +787,16 @@ class KvCanary:
         n = max(n, 1)
         if have is not None and self.device != "cpu":
             self._hold(have)
-        self._swa_scratch = (arrays.empty((n,), np.int64, self.device), arrays.empty((n,), lut.dtype, self.device),
-                             arrays.empty((n,), np.bool_, self.device), arrays.empty((n,), np.bool_, self.device),
-                             arrays.empty((1,), lut.dtype, self.device, fill=-1))
+        self._swa_scratch = (runtime.empty((n,), np.int64, self.device), runtime.empty((n,), lut.dtype, self.device),
+                             runtime.empty((n,), np.bool_, self.device), runtime.empty((n,), np.bool_, self.device),
+                             runtime.empty((1,), lut.dtype, self.device, fill=-1))
 
     def _swa_loc(self, loc, given, ptr):
         if given is not None or "swa_out_cache_loc" in self._bound:
             return self._arg(given, "swa_out_cache_loc", int(loc.shape[0]))
         n = int(loc.shape[0])
         if self._swa_scratch is None or self._swa_scratch[0].shape[0] < n:
-            if _runtime.is_capturing(self.device, ptr):
+            if runtime.is_capturing(self.device, ptr):
                 raise ValueError(f"kvcanary: out_cache_loc: {n} tokens exceed the SWA translation scratch during a "
                                  "graph capture; pass max_tokens= or bind_inputs(out_cache_loc=...) before capturing")
             self._swa_buffers(n)
@@ -804,7 +804,7 @@ class KvCanary:
         idx, dst, m1, m2 = idx[:n], dst[:n], m1[:n], m2[:n]
         lut = self.swa.swa.lut
         xp = self.xp
-        with _runtime.on_stream(self.device, ptr):
+        with runtime.on_stream(self.device, ptr):
             # Negative or out-of-LUT slots have no SWA slot: -1 (skipped), like a negative LUT value.
             xp.clip(loc, 0, max(int(lut.shape[0]) - 1, 0), out=idx)
             xp.take(lut, idx, out=dst)
@@ -931,7 +931,7 @@ class KvCanary:
                     action = "not grown (grow_on_overflow=False)"
                 elif self._captured:
                     action = "not grown: a CUDA graph captured the plan (use verify_capacity='max')"
-                elif _runtime.is_capturing(self.device, ptr) or c["max_requested"] <= cap:
+                elif runtime.is_capturing(self.device, ptr) or c["max_requested"] <= cap:
                     action = "not grown now"
                 else:
                     if self.device != "cpu":
@@ -982,7 +982,7 @@ class KvCanary:
     def read(self) -> list[Violation]:
         """Every violation row the ring holds, mapped, without the policy (synchronizes)."""
         rows = self.log.read()
-        heads = _runtime.HostReader(self.device, [self._heads]).read_now()[0]
+        heads = runtime.HostReader(self.device, [self._heads]).read_now()[0]
         seen, self._rows_seen = self._rows_seen, 0
         try:
             return self._map_rows(rows, heads, self._seq, self._replays)
@@ -1066,7 +1066,7 @@ class KvCanary:
         if self.device == "cpu":
             self._heads[k] = self.log.head[0]
         else:
-            with _runtime.on_stream(self.device, ptr):
+            with runtime.on_stream(self.device, ptr):
                 self._heads[k:k + 1] = self.log.head  # a device copy: captured graphs keep it per replay
         return self._seq
 

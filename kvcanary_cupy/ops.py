@@ -12,7 +12,7 @@ import functools
 import sys
 from typing import Sequence
 
-from . import arrays
+from . import arrays, runtime, scalars
 from .canary import CanaryBuffer, RealKvSource
 from .format import RealKvMode
 from .plans import ExpectedTokens, FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
@@ -83,7 +83,7 @@ class _Call:
         if stream is not None and stream is self.stream:
             self.launch(stream=self.stream_ptr)
             return
-        s = None if self.device == "cpu" else arrays.resolve_stream(stream, self.foreign)
+        s = None if self.device == "cpu" else runtime.resolve_stream(stream, self.foreign)
         if stream is not None:
             self.stream, self.stream_ptr = stream, s
         self.launch(stream=s)
@@ -180,7 +180,7 @@ def _no_extra(op: str, extra: dict) -> None:
 def real_kv_mode_of(real_kv_mode, name: str = "real_kv_mode") -> RealKvMode:
     """A :class:`RealKvMode` from the enum or its integer value (not a bool or a float)."""
     try:
-        return RealKvMode(arrays.check_int(real_kv_mode, name))
+        return RealKvMode(scalars.check_int(real_kv_mode, name))
     except (TypeError, ValueError):
         raise ValueError(f"kvcanary: {name}: expected RealKvMode NONE, PARTIAL or ALL, got {real_kv_mode!r}") from None
 
@@ -225,12 +225,12 @@ def slot_table(req_to_token, block_table, page_size) -> tuple[str, object, int]:
     if (req_to_token is None) == (block_table is None):
         raise ValueError("kvcanary: plan: pass exactly one slot table, req_to_token= or block_table= (with page_size=)")
     if req_to_token is not None:
-        if page_size is not None and not (arrays.check_int(page_size, "page_size") == 1):
+        if page_size is not None and not (scalars.check_int(page_size, "page_size") == 1):
             raise ValueError(f"kvcanary: page_size: only meaningful with block_table=, got {page_size} with req_to_token=")
         return "req_to_token", req_to_token, 1
     if page_size is None:
         raise ValueError("kvcanary: page_size: block_table= needs page_size >= 1, got None")
-    return "block_table", block_table, arrays.check_int(page_size, "page_size", minimum=1)
+    return "block_table", block_table, scalars.check_int(page_size, "page_size", minimum=1)
 
 
 def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_pool_indices, prefix_lens,
@@ -253,7 +253,7 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
             (vLLM): slot = ``block_table[rp, pos // page_size] * page_size + pos % page_size``.
         swa: :class:`SwaWindow`: verify only the window and translate slots by its LUT.
         expected: :class:`ExpectedTokens`: fill ``expected_tokens`` for the token check.
-        stream: CUDA stream (see :func:`kvcanary_cupy.arrays.resolve_stream`).
+        stream: CUDA stream (see :func:`kvcanary_cupy.runtime.resolve_stream`).
 
     Example::
 
@@ -352,7 +352,7 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
 def _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode,
                    expected_inputs) -> "_Call":
     device = _canary_device(canary, write_plan=(write_plan, WritePlan), log=(log, ViolationLog))
-    tag = arrays.check_tag(tag)
+    tag = scalars.check_tag(tag)
     _outputs_apart("write", canary, log, write_plan=write_plan)
     ids = arrays.as_index_array(input_ids, "input_ids", device=device)
     pos = arrays.as_index_array(positions, "positions", device=device)
@@ -403,8 +403,8 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
 def _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample) -> "_Call":
     optional = {} if sample is None else {"sample": (sample, FingerprintSampler)}
     device = _canary_device(canary, verify_plan=(verify_plan, VerifyPlan), log=(log, ViolationLog), **optional)
-    tag = arrays.check_tag(tag)
-    check_tokens = arrays.check_flag(check_tokens, "check_tokens")
+    tag = scalars.check_tag(tag)
+    check_tokens = scalars.check_flag(check_tokens, "check_tokens")
     _outputs_apart("verify", canary, log, sample=sample)
     srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
     return _Call(backend_for(device).verify, device, (canary, verify_plan),
@@ -433,7 +433,7 @@ def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=
 def _prepare_scatter(table, tokens, offsets, req_pool_indices) -> "_Call":
     t = arrays.as_index_array(table, "table", ndim=2)
     arrays.check_array(t, "table", writable=True)
-    device = arrays.device_of(t)
+    device = runtime.device_of(t)
     tok = arrays.as_index_array(tokens, "tokens", device=device)
     rpi = arrays.as_index_array(req_pool_indices, "req_pool_indices", device=device)
     off = arrays.as_index_array(offsets, "offsets", device=device, min_len=int(rpi.shape[0]) + 1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays
+from . import arrays, runtime, scalars
 
 _I64 = arrays.INT64
 
@@ -29,7 +29,7 @@ def _own_fields(obj, lengths: dict) -> None:
     views = {}
     for name in lengths:
         views[name] = arrays.as_array(getattr(obj, name), f"{cls_name}.{name}", dtypes=_I64, ndim=1)
-    device = arrays.device_of(next(iter(views.values())))
+    device = runtime.device_of(next(iter(views.values())))
     for name, v in views.items():
         arrays.check_array(v, f"{cls_name}.{name}", device=device, writable=True)
     bad = [f"{name} has length {views[name].shape[0]}, expected {want}"
@@ -95,11 +95,11 @@ class VerifyPlan:
     def allocate(cls, *, capacity: int, max_batch: int, device: str = "cpu") -> "VerifyPlan":
         """A plan with ``capacity`` entries for batches of up to ``max_batch`` rows, never
         planned (``enable`` 0: a verify of it is counted in ``verifies_skipped``)."""
-        capacity = arrays.check_int(capacity, "capacity", minimum=0)
-        max_batch = arrays.check_int(max_batch, "max_batch", minimum=1)
-        e = {f: arrays.empty((capacity,), np.int64, device, fill=-1) for f in cls.ENTRY_FIELDS}
-        s = {f: arrays.empty((1,), np.int64, device, fill=0) for f in cls.SCALAR_FIELDS}
-        return cls(offsets=arrays.empty((max_batch + 1,), np.int64, device, fill=0), **e, **s)
+        capacity = scalars.check_int(capacity, "capacity", minimum=0)
+        max_batch = scalars.check_int(max_batch, "max_batch", minimum=1)
+        e = {f: runtime.empty((capacity,), np.int64, device, fill=-1) for f in cls.ENTRY_FIELDS}
+        s = {f: runtime.empty((1,), np.int64, device, fill=0) for f in cls.SCALAR_FIELDS}
+        return cls(offsets=runtime.empty((max_batch + 1,), np.int64, device, fill=0), **e, **s)
 
     @classmethod
     def from_buffers(cls, *, slot_indices, prev_slot_indices, expected_positions, expected_tokens,
@@ -120,16 +120,16 @@ class VerifyPlan:
 
     @property
     def device(self) -> str:
-        return arrays.device_of(self.offsets)
+        return runtime.device_of(self.offsets)
 
     def host_scalars(self) -> dict:
         """``num_valid``, ``enable``, ``requested``, ``input_errors`` as ints (synchronizes)."""
-        return {f: int(arrays.to_host(getattr(self, f))[0]) for f in self.SCALAR_FIELDS}
+        return {f: int(runtime.to_host(getattr(self, f))[0]) for f in self.SCALAR_FIELDS}
 
     def host_entries(self) -> dict:
         """The first ``num_valid`` entries of each entry array, as NumPy (synchronizes)."""
         n = self.host_scalars()["num_valid"] if self.host_scalars()["enable"] else 0
-        return {f: np.array(arrays.to_host(getattr(self, f)[:n])) for f in self.ENTRY_FIELDS}
+        return {f: np.array(runtime.to_host(getattr(self, f)[:n])) for f in self.ENTRY_FIELDS}
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,12 +173,12 @@ class WritePlan:
     def allocate(cls, *, max_batch: int, device: str = "cpu") -> "WritePlan":
         """A write plan for up to ``max_batch`` rows, never planned (``num_rows`` -1: a
         write with it stamps nothing and is counted in ``writes_skipped``)."""
-        max_batch = arrays.check_int(max_batch, "max_batch", minimum=1)
-        return cls(offsets=arrays.empty((max_batch + 1,), np.int64, device, fill=0),
-                   seed_slots=arrays.empty((max_batch,), np.int64, device, fill=-1),
-                   num_rows=arrays.empty((1,), np.int64, device, fill=-1),
-                   input_errors=arrays.empty((1,), np.int64, device, fill=0),
-                   position_check=arrays.empty((1,), np.int64, device, fill=1))
+        max_batch = scalars.check_int(max_batch, "max_batch", minimum=1)
+        return cls(offsets=runtime.empty((max_batch + 1,), np.int64, device, fill=0),
+                   seed_slots=runtime.empty((max_batch,), np.int64, device, fill=-1),
+                   num_rows=runtime.empty((1,), np.int64, device, fill=-1),
+                   input_errors=runtime.empty((1,), np.int64, device, fill=0),
+                   position_check=runtime.empty((1,), np.int64, device, fill=1))
 
     @classmethod
     def from_buffers(cls, *, offsets, seed_slots, num_rows, input_errors=None, position_check=None) -> "WritePlan":
@@ -187,11 +187,11 @@ class WritePlan:
         ``input_errors`` and ``position_check`` may be omitted: device scalars (0 and
         1) are then allocated beside the caller's arrays.
         """
-        dev = arrays.device_of(arrays.as_array(seed_slots, "WritePlan.seed_slots", dtypes=_I64))
+        dev = runtime.device_of(arrays.as_array(seed_slots, "WritePlan.seed_slots", dtypes=_I64))
         if input_errors is None:
-            input_errors = arrays.empty((1,), np.int64, dev, fill=0)
+            input_errors = runtime.empty((1,), np.int64, dev, fill=0)
         if position_check is None:
-            position_check = arrays.empty((1,), np.int64, dev, fill=1)
+            position_check = runtime.empty((1,), np.int64, dev, fill=1)
         return cls(offsets=offsets, seed_slots=seed_slots, num_rows=num_rows, input_errors=input_errors,
                    position_check=position_check)
 
@@ -201,11 +201,11 @@ class WritePlan:
 
     @property
     def device(self) -> str:
-        return arrays.device_of(self.offsets)
+        return runtime.device_of(self.offsets)
 
     def set_position_check(self, on: bool) -> None:
         """Flip the chain-position switch (an ordinary device write, no sync)."""
-        self.position_check.fill(1 if arrays.check_flag(on, "on") else 0)
+        self.position_check.fill(1 if scalars.check_flag(on, "on") else 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,7 +222,7 @@ class SwaWindow:
     lut: object
 
     def __post_init__(self):
-        object.__setattr__(self, "size", arrays.check_int(self.size, "SwaWindow.size", minimum=1))
+        object.__setattr__(self, "size", scalars.check_int(self.size, "SwaWindow.size", minimum=1))
         object.__setattr__(self, "lut", arrays.as_index_array(self.lut, "SwaWindow.lut"))
 
 
@@ -267,26 +267,26 @@ class FingerprintSampler:
     FIELDS = ("state",)
 
     def __post_init__(self):
-        object.__setattr__(self, "period", arrays.check_int(self.period, "period", minimum=1))
+        object.__setattr__(self, "period", scalars.check_int(self.period, "period", minimum=1))
         _own_fields(self, {"state": 2})
 
     @classmethod
     def allocate(cls, *, period: int, device: str = "cpu") -> "FingerprintSampler":
-        period = arrays.check_int(period, "period", minimum=1)
-        return cls(period, arrays.empty((2,), np.int64, device, fill=0))
+        period = scalars.check_int(period, "period", minimum=1)
+        return cls(period, runtime.empty((2,), np.int64, device, fill=0))
 
     @property
     def device(self) -> str:
-        return arrays.device_of(self.state)
+        return runtime.device_of(self.state)
 
     def phase(self) -> int:
         """The phase the next verify uses (synchronizes)."""
-        return int(arrays.to_host(self.state)[0]) % self.period
+        return int(runtime.to_host(self.state)[0]) % self.period
 
 
 def check_token_offset(offset, name: str) -> int:
     """The expected-token offset: 0 or 1 (see :class:`ExpectedTokens`)."""
-    v = arrays.check_int(offset, name)
+    v = scalars.check_int(offset, name)
     if v not in (0, 1):
         raise ValueError(f"kvcanary: {name}: expected 0 (target pool) or 1 (draft pool holding the next token), "
                          f"got {v}")

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import arrays
-from ._runtime import HostReader, on_stream
+from . import arrays, runtime, scalars
+from .runtime import HostReader, on_stream
 from .format import (COUNTER_NAMES, NUM_COUNTERS, VIOLATION_COLUMNS, VIOLATION_WORDS, FailReason,
                      LaunchTag)
 
@@ -80,7 +80,7 @@ class ViolationLog:
         if self.ring.shape[1] != VIOLATION_WORDS or self.ring.shape[0] < 1:
             raise ValueError(f"kvcanary: ring: expected shape [capacity >= 1, {VIOLATION_WORDS}], "
                              f"got {tuple(self.ring.shape)}")
-        dev = arrays.device_of(self.ring)
+        dev = runtime.device_of(self.ring)
         self.head = arrays.as_array(head, "head", dtypes=arrays.INT64, ndim=1, device=dev, writable=True)
         self.counter_array = arrays.as_array(counters, "counters", dtypes=arrays.INT64, ndim=1, device=dev,
                                              writable=True)
@@ -93,10 +93,10 @@ class ViolationLog:
 
     @classmethod
     def allocate(cls, *, capacity: int, device: str = "cpu") -> "ViolationLog":
-        capacity = arrays.check_int(capacity, "capacity", minimum=1)
-        return cls(arrays.empty((capacity, VIOLATION_WORDS), np.int64, device, fill=0),
-                   arrays.empty((1,), np.int64, device, fill=0),
-                   arrays.empty((NUM_COUNTERS,), np.int64, device, fill=0))
+        capacity = scalars.check_int(capacity, "capacity", minimum=1)
+        return cls(runtime.empty((capacity, VIOLATION_WORDS), np.int64, device, fill=0),
+                   runtime.empty((1,), np.int64, device, fill=0),
+                   runtime.empty((NUM_COUNTERS,), np.int64, device, fill=0))
 
     @classmethod
     def from_buffers(cls, *, ring, head, counters) -> "ViolationLog":
@@ -110,12 +110,12 @@ class ViolationLog:
 
     @property
     def device(self) -> str:
-        return arrays.device_of(self.ring)
+        return runtime.device_of(self.ring)
 
     @property
     def count(self) -> int:
         """Violations appended since allocation or the last clear(), dropped ones included."""
-        return int(arrays.to_host(self.head)[0])
+        return int(runtime.to_host(self.head)[0])
 
     @property
     def dropped(self) -> int:
@@ -133,13 +133,13 @@ class ViolationLog:
         - ``tokens_skipped``: tokens a write did not stamp because their
           ``out_cache_loc`` was negative (by design: padding, or dropped drafts).
         """
-        c = arrays.to_host(self.counter_array)
+        c = runtime.to_host(self.counter_array)
         return {name: int(c[i]) for i, name in enumerate(COUNTER_NAMES)}
 
     def rows(self) -> np.ndarray:
         """Every row held, in ring order, as an int64 NumPy array (synchronizes)."""
         n = min(self.count, self.capacity)
-        return np.array(arrays.to_host(self.ring[:n]))
+        return np.array(runtime.to_host(self.ring[:n]))
 
     def read(self) -> list[Violation]:
         """Every row held, decoded, in ring order; consumes nothing (synchronizes)."""
@@ -154,7 +154,7 @@ class ViolationLog:
         """
         if self._reader is None:
             self._reader = HostReader(self.device, [self.head, self.ring])
-        staged = self._reader.poll(None if isinstance(self.ring, np.ndarray) else arrays.resolve_stream(stream, ()))
+        staged = self._reader.poll(None if isinstance(self.ring, np.ndarray) else runtime.resolve_stream(stream, ()))
         if staged is None:
             return []
         head, ring = staged
@@ -183,4 +183,4 @@ class ViolationLog:
 
 
 def _on_stream(device: str, stream):
-    return on_stream(device, arrays.resolve_stream(stream, ()))
+    return on_stream(device, runtime.resolve_stream(stream, ()))

@@ -4,7 +4,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from kvcanary_cupy import arrays
+from kvcanary_cupy import arrays, runtime
 
 
 def test_numpy_passes_through():
@@ -76,9 +76,9 @@ def test_torch_requires_grad_is_a_clear_error():
 
 
 def test_device_strings():
-    assert arrays.parse_device("cpu") == ("cpu", None)
+    assert runtime.parse_device("cpu") == ("cpu", None)
     if importlib.util.find_spec("cupy") is None:  # says what to install, not ModuleNotFoundError
         with pytest.raises(ValueError, match=r"kvcanary: device: .*pip install"):
-            arrays.parse_device("cuda:3")
+            runtime.parse_device("cuda:3")
     with pytest.raises(ValueError, match="kvcanary: device"):
-        arrays.parse_device("tpu")
+        runtime.parse_device("tpu")

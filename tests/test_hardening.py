@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from kvcanary_cupy import arrays
+from kvcanary_cupy import runtime
 
 
 def raises(exc, *names):
@@ -362,14 +362,14 @@ def test_cuda_without_a_working_device_says_what_to_pass(monkeypatch):
     def no_device():
         raise CUDARuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
 
-    runtime = types.SimpleNamespace(getDeviceCount=no_device, getDevice=no_device)
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    cuda_rt = types.SimpleNamespace(getDeviceCount=no_device, getDevice=no_device)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=cuda_rt))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     with raises(ValueError, "device", "cudaErrorNoDevice", "device='cpu'"):
-        arrays.parse_device("cuda")
-    runtime.getDeviceCount = lambda: 1
+        runtime.parse_device("cuda")
+    cuda_rt.getDeviceCount = lambda: 1
     with raises(ValueError, "device", "cuda:3", "1 CUDA device"):
-        arrays.parse_device("cuda:3")
+        runtime.parse_device("cuda:3")
 
 
 @pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:-1", 3])

@@ -347,7 +347,7 @@ def test_swa_group_clean_and_off_by_one(xp, device):
         toy.step([1, 2], [1, 1], request_ids=["a", "b"])
     assert drain(toy.mon, xp) == []
     swa = toy.mon.swa_canary.host_records()
-    lut = np.asarray(kc.arrays.to_host(toy.lut))
+    lut = np.asarray(kc.runtime.to_host(toy.lut))
     np.testing.assert_array_equal(swa[lut[toy.table_h[1, :9]]], kc.make_records(1000 + np.arange(9), np.arange(9)))
     assert toy.mon.stats()["groups"]["swa"]["max_requested"] == 3 + 3  # two windows of 3
     s = int(toy.table_h[1, 7])  # inside a's window [6, 9)
@@ -361,7 +361,7 @@ def test_swa_translation_skips_negative_and_matches_explicit(xp, device):
     a, b = Toy(xp, device, swa_window=4), Toy(xp, device, swa_window=4)
     a.step([1], [3])
     b.step([1], [3])
-    lut = np.asarray(kc.arrays.to_host(a.lut))
+    lut = np.asarray(kc.runtime.to_host(a.lut))
     ids, pos, loc = a.inputs([1], [3])
     loc[1] = -1  # a skipped token: no store, the chain does not advance, in both groups
     for t in (a, b):

@@ -1,4 +1,4 @@
-"""arrays.on_cupy_stream: CuPy work inside runs on the op's stream, and the caller's
+"""runtime.on_cupy_stream: CuPy work inside runs on the op's stream, and the caller's
 current stream survives it, also with a CuPy whose ``with stream:`` falls back to the
 null stream on exit (a stream made current with ``.use()`` is then forgotten).
 
@@ -7,11 +7,13 @@ checks the same through the public API on a real device.
 """
 from __future__ import annotations
 
+import itertools
+import sys
 import types
 
 import pytest
 
-from kvcanary_cupy import arrays
+from kvcanary_cupy import runtime
 
 
 class _Stream:
@@ -53,41 +55,50 @@ def _fake_cupy(forgets_use: bool):
     return types.SimpleNamespace(cuda=cuda)
 
 
+_BASES = itertools.count(1 << 40, 1 << 20)  # stream handles no other test used: the library caches its wrappers
+
+
+def _install(monkeypatch, cp):
+    """``cp`` as the ``cupy`` module; returns two stream handles, ``mine`` and ``op``."""
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    base = next(_BASES)
+    return base + 0x1000, base + 0x2000
+
+
 @pytest.fixture(params=[True, False], ids=["cupy-forgets-use", "cupy-restores"])
 def fake(request, monkeypatch):
     cp = _fake_cupy(forgets_use=request.param)
-    monkeypatch.setattr(arrays, "_cupy", lambda: cp)
-    monkeypatch.setattr(arrays, "_STREAMS", {})
+    cp.cuda.mine_ptr, cp.cuda.op_ptr = _install(monkeypatch, cp)
     return cp.cuda
 
 
 def test_the_callers_used_stream_is_current_again(fake):
-    mine = _Stream(fake, 0x1000).use()
-    with arrays.on_cupy_stream(0x2000, 0) as s:
-        assert fake.get_current_stream() is s and s.ptr == 0x2000
+    mine = _Stream(fake, fake.mine_ptr).use()
+    with runtime.on_cupy_stream(fake.op_ptr, 0) as s:
+        assert fake.get_current_stream() is s and s.ptr == fake.op_ptr
     assert fake.get_current_stream() is mine
 
 
 def test_no_switch_when_the_op_runs_on_the_current_stream(fake):
-    mine = _Stream(fake, 0x1000).use()
+    mine = _Stream(fake, fake.mine_ptr).use()
     uses = fake.uses
-    with arrays.on_cupy_stream(0x1000, 0) as s:
+    with runtime.on_cupy_stream(fake.mine_ptr, 0) as s:
         assert s is mine
     assert fake.get_current_stream() is mine and fake.uses == uses and mine.entered == 0
 
 
 def test_restored_when_the_block_raises(fake):
-    mine = _Stream(fake, 0x1000).use()
+    mine = _Stream(fake, fake.mine_ptr).use()
     with pytest.raises(RuntimeError, match="boom"):
-        with arrays.on_cupy_stream(0x2000, 0):
+        with runtime.on_cupy_stream(fake.op_ptr, 0):
             raise RuntimeError("boom")
     assert fake.get_current_stream() is mine
 
 
 def test_inside_the_callers_own_stream_context(fake):
-    outer = _Stream(fake, 0x1000)
+    outer = _Stream(fake, fake.mine_ptr)
     with outer:
-        with arrays.on_cupy_stream(0x2000, 0):
+        with runtime.on_cupy_stream(fake.op_ptr, 0):
             pass
         assert fake.get_current_stream() is outer
     assert fake.get_current_stream() is (fake.null)
@@ -95,10 +106,9 @@ def test_inside_the_callers_own_stream_context(fake):
 
 def test_a_cupy_that_restores_needs_no_use_call(monkeypatch):
     cp = _fake_cupy(forgets_use=False)
-    monkeypatch.setattr(arrays, "_cupy", lambda: cp)
-    monkeypatch.setattr(arrays, "_STREAMS", {})
-    mine = _Stream(cp.cuda, 0x1000).use()
+    mine_ptr, op_ptr = _install(monkeypatch, cp)
+    mine = _Stream(cp.cuda, mine_ptr).use()
     uses = cp.cuda.uses
-    with arrays.on_cupy_stream(0x2000, 0):
+    with runtime.on_cupy_stream(op_ptr, 0):
         pass
     assert cp.cuda.get_current_stream() is mine and cp.cuda.uses == uses

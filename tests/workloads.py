@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import kvcanary_cupy as kc
-from kvcanary_cupy.arrays import to_host
+from kvcanary_cupy.runtime import to_host
 from kvcanary_cupy.format import RealKvMode
 
 MASK64 = (1 << 64) - 1

@@ -31,7 +31,7 @@ import weakref
 
 import numpy as np
 
-from .. import arrays
+from .. import runtime
 from .. import format as fmt
 from ..format import RealKvMode
 from . import cuda_sources
@@ -145,7 +145,7 @@ class _CupyRuntime:
         self._runtime.memsetAsync(ptr, 0, nbytes, stream)
 
     def upload_i64(self, host: np.ndarray, dev: int, stream: int):
-        with self.cp.cuda.Device(dev), arrays.on_cupy_stream(stream, dev):
+        with self.cp.cuda.Device(dev), runtime.on_cupy_stream(stream, dev):
             return self.cp.asarray(host)
 
     def empty_u64(self, n: int, dev: int):

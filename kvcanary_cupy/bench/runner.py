@@ -30,7 +30,7 @@ import traceback
 
 import numpy as np
 
-from ..arrays import to_host as _host
+from ..runtime import to_host as _host
 from ..canary import CanaryBuffer
 from ..format import VIOLATION_COLUMNS, FailReason, LaunchTag, RealKvMode
 from ..violations import ViolationLog

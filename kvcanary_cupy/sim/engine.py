@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import _runtime, arrays
+from .. import runtime
 from ..monitor import KvCanary, SwaGroup
 from .allocator import FreeList
 from .config import SimConfig
@@ -70,13 +70,13 @@ class _Mirror:
 
     def __init__(self, host: np.ndarray, device: str):
         self.host = host
-        self.dev = host if device == "cpu" else arrays.empty(host.shape, host.dtype, device)
+        self.dev = host if device == "cpu" else runtime.empty(host.shape, host.dtype, device)
         self.device = device
         self.sync()
 
     def sync(self) -> None:
         if self.device != "cpu":
-            _runtime.put(self.dev, self.host)
+            runtime.put(self.dev, self.host)
 
 
 class PagedKvSim:

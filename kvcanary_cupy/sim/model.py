@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import arrays
+from .. import runtime
 from ..canary import RealKvSource
 from ..format import splitmix64
 
@@ -36,7 +36,7 @@ class KvPool:
     def __init__(self, *, layers: int, num_slots: int, page_size: int, bytes_per_token: int, device: str, salt: int):
         shape = (layers, num_slots, bytes_per_token) if page_size == 1 else \
             (layers, num_slots // page_size, page_size, bytes_per_token)
-        self.data = arrays.empty(shape, np.uint8, device, fill=0)
+        self.data = runtime.empty(shape, np.uint8, device, fill=0)
         self.flat = self.data.reshape(layers, num_slots, bytes_per_token)
         self.layers, self.page_size, self.bytes_per_token, self.salt = layers, page_size, bytes_per_token, salt
         self.device = device
@@ -56,7 +56,7 @@ class KvPool:
         if self.device == "cpu":
             self.flat[:, slots[keep]] = b
         else:
-            xp = arrays.array_module(self.device)
+            xp = runtime.array_module(self.device)
             self.flat[:, xp.asarray(slots[keep])] = xp.asarray(b)
 
     def flip(self, slot: int, layer: int, byte: int, mask: int = 0x10) -> None:

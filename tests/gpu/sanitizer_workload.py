@@ -33,7 +33,7 @@ def extremes(sides):
         e = xp.zeros(0, dtype=xp.int64)
         be.plan(vp, wp, req_pool_indices=e, prefix_lens=e, extend_lens=e, table=xp.zeros((2, 0), xp.int32),
                 page_size=1, swa=None, expected=None)
-        out.append((vp.host_scalars(), kc.arrays.to_host(wp.offsets).tolist()))
+        out.append((vp.host_scalars(), kc.runtime.to_host(wp.offsets).tolist()))
         big = 1 << 62
         rpi = xp.asarray([1, 1 << 40, -3, 2, 1])
         pre = xp.asarray([big, 1, 1, 3, 2])
@@ -46,7 +46,7 @@ def extremes(sides):
         for swa, exp, page in ((None, None, 1), (lut, None, 1), (None, et, 1), (None, None, 4)):
             be.plan(vp, wp, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table, page_size=page,
                     swa=swa, expected=exp)
-            out.append((vp.host_scalars(), kc.arrays.to_host(wp.seed_slots).tolist()))
+            out.append((vp.host_scalars(), kc.runtime.to_host(wp.seed_slots).tolist()))
         canary = kc.CanaryBuffer.allocate(num_slots=8, device=dev)
         log = kc.ViolationLog.allocate(capacity=2, device=dev)
         wp.num_rows.fill(1 << 40)  # clamped to max_batch
@@ -63,11 +63,11 @@ def extremes(sides):
         src = kc.RealKvSource(pool, page_size=1, bytes_per_token=16)
         samp = kc.FingerprintSampler.allocate(period=3, device=dev)
         be.verify(canary, vp, log=log, tag=1, sources=(src,), mode=kc.RealKvMode.ALL, check_tokens=True, sample=samp)
-        out.append((log.count, log.counters(), canary.host_records().tolist(), kc.arrays.to_host(samp.state).tolist()))
+        out.append((log.count, log.counters(), canary.host_records().tolist(), kc.runtime.to_host(samp.state).tolist()))
         t = xp.zeros((3, 2), dtype=xp.int32)
         be.scatter_expected_tokens(t, tokens=xp.arange(5), offsets=xp.asarray([0, 4, 9, -1, 2]),
                                    req_pool_indices=xp.asarray([1, 2, 7, 2]))
-        out.append(kc.arrays.to_host(t).tolist())
+        out.append(kc.runtime.to_host(t).tolist())
         yield out
 
 

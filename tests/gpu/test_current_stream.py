@@ -1,5 +1,5 @@
 """The caller's current CuPy stream is still current after every kvcanary call that runs
-CuPy work on the op's stream (see arrays.on_cupy_stream). If it were not, the caller's
+CuPy work on the op's stream (see runtime.on_cupy_stream). If it were not, the caller's
 next CuPy work would leave its stream, unordered with the ops queued there."""
 from __future__ import annotations
 

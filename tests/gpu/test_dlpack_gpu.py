@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with CuPy and PyTorch
 
 import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy import arrays  # noqa: E402
+from kvcanary_cupy import arrays, runtime  # noqa: E402
 
 try:  # imported at collection, before any test body runs (and before cuda.bindings is loaded)
     import torch as _torch  # noqa: E402
@@ -101,19 +101,19 @@ def test_torch_stream_resolution(torch, cp):
     s = torch.cuda.Stream()
     t = torch.ones(2, device="cuda")
     with torch.cuda.stream(s):
-        assert arrays.resolve_stream(None, [t]) == s.cuda_stream  # torch inputs: torch's current stream
-    assert arrays.resolve_stream(s, []) == s.cuda_stream  # a torch stream object
+        assert runtime.resolve_stream(None, [t]) == s.cuda_stream  # torch inputs: torch's current stream
+    assert runtime.resolve_stream(s, []) == s.cuda_stream  # a torch stream object
     cs = cp.cuda.Stream()
-    assert arrays.resolve_stream(cs, []) == cs.ptr
+    assert runtime.resolve_stream(cs, []) == cs.ptr
     with cs:
-        assert arrays.resolve_stream(None, [cp.ones(2)]) == cs.ptr  # else CuPy's current stream
-    assert arrays.resolve_stream(12345, []) == 12345
+        assert runtime.resolve_stream(None, [cp.ones(2)]) == cs.ptr  # else CuPy's current stream
+    assert runtime.resolve_stream(12345, []) == 12345
 
     class Proto:
         def __cuda_stream__(self):
             return (0, cs.ptr)
 
-    assert arrays.resolve_stream(Proto(), []) == cs.ptr
+    assert runtime.resolve_stream(Proto(), []) == cs.ptr
 
 
 def test_torch_inputs_run_on_torch_stream(torch, cp):
@@ -175,7 +175,7 @@ def test_jax_inputs_drive_the_ops(jax, cp):
             kc.plan(vp, wp, req_to_token=table, **{k: np.asarray(v, np.int32) for k, v in args.items()})
         else:
             kc.plan(vp, wp, req_to_token=jnp.asarray(table), **{k: jnp.asarray(v, jnp.int32) for k, v in args.items()})
-        out[dev] = (vp.host_entries(), arrays.to_host(wp.seed_slots).tolist())
+        out[dev] = (vp.host_entries(), runtime.to_host(wp.seed_slots).tolist())
     for f in kc.VerifyPlan.ENTRY_FIELDS:
         assert np.array_equal(out["cpu"][0][f], out["cuda"][0][f]), f
     assert out["cpu"][1] == out["cuda"][1]

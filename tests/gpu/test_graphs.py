@@ -16,7 +16,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import RealKvMode
-from kvcanary_cupy.arrays import to_host
+from kvcanary_cupy.runtime import to_host
 
 pytestmark = pytest.mark.gpu
 

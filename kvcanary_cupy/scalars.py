@@ -1,0 +1,43 @@
+"""Scalar arguments: sizes, switches and tags, taken exactly or refused.
+
+``int()`` would turn ``2.9`` into 2 and ``"lots"`` into a bare ValueError, and
+``bool()`` would take ``"no"`` for True; every scalar a caller passes goes
+through one of these instead.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_int(x, name: str, *, minimum: int | None = None, maximum: int = _INT64_MAX) -> int:
+    """A size, count or offset: a Python or NumPy integer (never a float, a bool or a
+    string, which ``int()`` would silently truncate or parse) in ``[minimum, maximum]``."""
+    if not _is_int(x):
+        raise TypeError(f"kvcanary: {name}: expected an integer, got {type(x).__name__} {x!r}")
+    v = int(x)
+    if (minimum is not None and v < minimum) or v > maximum:
+        lo = "" if minimum is None else f">= {minimum}"
+        hi = "" if maximum == _INT64_MAX else f"<= {maximum}"
+        raise ValueError(f"kvcanary: {name}: expected an integer {' and '.join(w for w in (lo, hi) if w)}, got {v}")
+    return v
+
+
+def check_flag(x, name: str) -> bool:
+    """A switch: ``True`` or ``False`` (a string such as ``'no'`` is truthy, so none is taken)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"kvcanary: {name}: expected True or False, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def check_tag(x, name: str = "tag") -> int:
+    """A launch tag: an integer (e.g. a :class:`~kvcanary_cupy.LaunchTag`) that fits the
+    int64 column of a violation row."""
+    if not _is_int(x):
+        raise TypeError(f"kvcanary: {name}: expected an integer such as a LaunchTag, got {type(x).__name__} {x!r}")
+    return check_int(x, name, minimum=_INT64_MIN)
