@@ -52,6 +52,8 @@ struct PlanArgs {
     i64* vp_enable;
     i64* vp_requested;
     i64* vp_input_errors;
+    i64* vp_overflows;      // plans whose total exceeded the capacity (cumulative)
+    i64* vp_max_requested;  // the largest total any plan asked for (running max)
     i64 vp_capacity, vp_max_batch;
     i64* wp_offsets;  // write plan, or all null
     i64* wp_seeds;    // [wp_max_batch]
@@ -194,6 +196,9 @@ __device__ void plan_scan(const PlanArgs& a, i64* sh) {
             *a.vp_requested = total;
             *a.vp_num_valid = total < a.vp_capacity ? total : a.vp_capacity;
             *a.vp_enable = total <= a.vp_capacity ? 1 : 0;
+            // One thread of one block: plain read-modify-writes, ordered by the stream.
+            if (total > a.vp_capacity) *a.vp_overflows += 1;
+            if (total > *a.vp_max_requested) *a.vp_max_requested = total;
         }
     }
     if (a.wp_offsets != nullptr) {

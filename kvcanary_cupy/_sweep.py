@@ -150,7 +150,8 @@ class SweepPlanner:
         m[:mb1] = taken
         for k, (_, _, _, at) in enumerate(pieces):
             m[k] = at
-        m[mb1:mb1 + _NUM_SCALARS] = (taken, 1, taken, 0)  # num_valid, enable, requested, input_errors
+        scalars = dict(num_valid=taken, enable=1, requested=taken, input_errors=0, overflows=0, max_requested=taken)
+        m[mb1:mb1 + _NUM_SCALARS] = [scalars[f] for f in VerifyPlan.SCALAR_FIELDS]
         if not runtime.is_cpu(self.device):
             runtime.put(self.meta, m, ptr)
         self.cursor = start + taken

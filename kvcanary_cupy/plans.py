@@ -57,10 +57,12 @@ class VerifyPlan:
             predecessor ``prev_slot_indices[i]`` (-1: the sequence's first token).
         offsets: ``[max_batch + 1]``, exclusive prefix sums of entries per batch row;
             rows past the batch repeat the total, so the array is monotone throughout.
-        num_valid, enable, requested, input_errors: device scalars ``[1]``:
-            entries written, 1 unless the batch overflowed the capacity, entries the
-            batch asked for, and rows dropped for out-of-range data (cumulative over
-            plans, so a report read late loses nothing).
+        num_valid, enable, requested, input_errors, overflows, max_requested:
+            device scalars ``[1]``: entries written, 1 unless the batch overflowed
+            the capacity (0 too until the first plan), entries the batch asked for;
+            then, cumulative over plans so a report read late loses nothing: rows
+            dropped for out-of-range data, plans that overflowed, and the most
+            entries any plan asked for (what the capacity must be to hold them all).
 
     Example::
 
@@ -78,9 +80,11 @@ class VerifyPlan:
     enable: object
     requested: object
     input_errors: object
+    overflows: object
+    max_requested: object
 
     ENTRY_FIELDS = ("slot_indices", "prev_slot_indices", "expected_positions", "expected_tokens")
-    SCALAR_FIELDS = ("num_valid", "enable", "requested", "input_errors")
+    SCALAR_FIELDS = ("num_valid", "enable", "requested", "input_errors", "overflows", "max_requested")
     FIELDS = ENTRY_FIELDS + ("offsets",) + SCALAR_FIELDS
 
     def __post_init__(self):
@@ -103,12 +107,18 @@ class VerifyPlan:
 
     @classmethod
     def from_buffers(cls, *, slot_indices, prev_slot_indices, expected_positions, expected_tokens,
-                     offsets, num_valid, enable, requested, input_errors) -> "VerifyPlan":
+                     offsets, num_valid, enable, requested, input_errors, overflows=None,
+                     max_requested=None) -> "VerifyPlan":
         """Wrap caller-owned int64 arrays (e.g. from a graph pool) after checking they agree
-        (the same checks as the constructor)."""
+        (the same checks as the constructor). ``overflows`` and ``max_requested`` may be
+        omitted: zeroed device scalars are then allocated beside the caller's arrays."""
+        dev = runtime.device_of(arrays.as_array(offsets, "VerifyPlan.offsets", dtypes=_I64))
         return cls(slot_indices=slot_indices, prev_slot_indices=prev_slot_indices,
                    expected_positions=expected_positions, expected_tokens=expected_tokens, offsets=offsets,
-                   num_valid=num_valid, enable=enable, requested=requested, input_errors=input_errors)
+                   num_valid=num_valid, enable=enable, requested=requested, input_errors=input_errors,
+                   overflows=runtime.empty((1,), np.int64, dev, fill=0) if overflows is None else overflows,
+                   max_requested=runtime.empty((1,), np.int64, dev, fill=0) if max_requested is None
+                   else max_requested)
 
     @property
     def capacity(self) -> int:

@@ -118,7 +118,8 @@ def test_plan_memory_stays_bounded_when_the_batch_overflows():
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, f"peak {peak / 2**20:.1f} MiB"
-    assert vp.host_scalars() == dict(num_valid=1024, enable=0, requested=33554432, input_errors=0)
+    assert vp.host_scalars() == dict(num_valid=1024, enable=0, requested=33554432, input_errors=0, overflows=1,
+                                     max_requested=33554432)
     assert vp.offsets.tolist() == [n * r for r in range(bs + 1)]
     assert (vp.slot_indices == -1).all()  # overflowed: no entry written
     assert wp.seed_slots.tolist() == [-1] * bs and int(wp.num_rows[0]) == bs
@@ -135,7 +136,8 @@ def test_plan_of_one_long_row_fills_entries_in_chunks():
     wp = kc.WritePlan.allocate(max_batch=2)
     kc.plan(vp, wp, req_pool_indices=np.array([1, 0]), prefix_lens=np.array([n, 0]), extend_lens=np.array([1, 0]),
             req_to_token=table, swa=kc.SwaWindow(n - 5, lut))
-    assert vp.host_scalars() == dict(num_valid=n - 5, enable=1, requested=n - 5, input_errors=0)
+    assert vp.host_scalars() == dict(num_valid=n - 5, enable=1, requested=n - 5, input_errors=0, overflows=0,
+                                     max_requested=n - 5)
     slots = lut[table[1, :n]]
     ent = vp.host_entries()
     assert np.array_equal(ent["slot_indices"], slots[5:])

@@ -24,7 +24,7 @@ def vp_fields(xp, cap=8, mb=2):
     z = lambda n, v=0: xp.full((n,), v, dtype=xp.int64)  # noqa: E731
     return dict(slot_indices=z(cap, -1), prev_slot_indices=z(cap, -1), expected_positions=z(cap, -1),
                 expected_tokens=z(cap, -1), offsets=z(mb + 1), num_valid=z(1), enable=z(1), requested=z(1),
-                input_errors=z(1))
+                input_errors=z(1), overflows=z(1), max_requested=z(1))
 
 
 # --- 1. every door checks -------------------------------------------------------------------

@@ -63,7 +63,7 @@ def test_single_prefill_then_verify(xp, device):
     assert host(e.wp.offsets).tolist() == [0, 5] + [5] * 7
     assert host(e.wp.seed_slots).tolist() == [-1] * 8
     assert int(host(e.wp.num_rows)[0]) == 1
-    assert e.scalars() == dict(num_valid=0, enable=1, requested=0, input_errors=0)
+    assert e.scalars() == dict(num_valid=0, enable=1, requested=0, input_errors=0, overflows=0, max_requested=0)
     assert host(e.vp.offsets).tolist() == [0] * 9
     assert (e.entries()["slot_indices"] == Env.POISON).all()  # nothing planned, nothing written
 
@@ -81,7 +81,7 @@ def test_single_prefill_then_verify(xp, device):
     assert ent["expected_positions"][:5].tolist() == [0, 1, 2, 3, 4]
     assert ent["expected_tokens"][:5].tolist() == [-1] * 5
     assert (ent["slot_indices"][5:] == Env.POISON).all()
-    assert e.scalars() == dict(num_valid=5, enable=1, requested=5, input_errors=0)
+    assert e.scalars() == dict(num_valid=5, enable=1, requested=5, input_errors=0, overflows=0, max_requested=5)
     assert host(e.vp.offsets).tolist() == [0, 5] + [5] * 7
     e.verify()
     assert e.rows() == []
@@ -132,7 +132,7 @@ def test_padding_rows_with_garbage_lengths_produce_nothing(xp, device, dtype):
     e = env(xp, device, dtype=dtype)
     big = np.iinfo(dtype).max
     e.plan([0, 0, 0, 0], [-5, big, 7, np.iinfo(dtype).min], [big, -2, 3, 0])
-    assert e.scalars() == dict(num_valid=0, enable=1, requested=0, input_errors=0)
+    assert e.scalars() == dict(num_valid=0, enable=1, requested=0, input_errors=0, overflows=0, max_requested=0)
     assert host(e.vp.offsets).tolist() == [0] * 9
     assert host(e.wp.offsets).tolist() == [0] * 9
     assert host(e.wp.seed_slots).tolist() == [-1] * 8
@@ -177,7 +177,8 @@ def test_capacity_exact_and_one_short(xp, device, cap, enable):
     e.canary.records[ROW1[1], 0] = 1  # corrupt: a verify that runs must report it
     e.plan([1, 2], [5, 4], [1, 1])
     s = e.scalars()
-    assert s == dict(num_valid=min(9, cap), enable=enable, requested=9, input_errors=0)
+    assert s == dict(num_valid=min(9, cap), enable=enable, requested=9, input_errors=0, overflows=1 - enable,
+                     max_requested=9)
     assert host(e.vp.offsets).tolist() == [0, 5, 9] + [9] * 6  # offsets are planned either way
     assert host(e.wp.seed_slots)[:2].tolist() == [ROW1[4], ROW2[3]]
     ent = e.entries()

@@ -235,7 +235,7 @@ def test_plan_matches_scalar_model(xp, device, seed, page, use_swa, use_exp, dty
 
     sc = vp.host_scalars()
     assert sc == dict(num_valid=want["num_valid"], enable=want["enable"], requested=want["total"],
-                      input_errors=prior + want["errors"])
+                      input_errors=prior + want["errors"], overflows=1 - want["enable"], max_requested=want["total"])
     offs = host(vp.offsets)
     assert offs.tolist() == want["offsets"]
     # invariants, stated on their own

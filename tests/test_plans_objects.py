@@ -37,7 +37,7 @@ def test_allocate_owns_its_arrays(xp, device):
     assert vp.offsets.shape == (4,)
     for f in kc.VerifyPlan.SCALAR_FIELDS:
         assert getattr(vp, f).shape == (1,)
-    assert vp.host_scalars() == dict(num_valid=0, enable=0, requested=0, input_errors=0)
+    assert vp.host_scalars() == dict(num_valid=0, enable=0, requested=0, input_errors=0, overflows=0, max_requested=0)
     wp = kc.WritePlan.allocate(max_batch=3, device=device)
     assert wp.max_batch == 3 and wp.offsets.shape == (4,) and host(wp.seed_slots).tolist() == [-1] * 3
     assert int(host(wp.position_check)[0]) == 1 and int(host(wp.num_rows)[0]) == -1  # never planned

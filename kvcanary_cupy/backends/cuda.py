@@ -44,7 +44,7 @@ PLAN_FIELDS = (
     "rpi", "pre", "ext", "table", "lut", "etab", "evl", "widths", "bs", "nreq", "twidth", "page", "lut_len",
     "swa_size", "erows", "ewidth", "eoffset",
     "vp_slot", "vp_prev", "vp_epos", "vp_etok", "vp_offsets", "vp_num_valid", "vp_enable", "vp_requested",
-    "vp_input_errors", "vp_capacity", "vp_max_batch",
+    "vp_input_errors", "vp_overflows", "vp_max_requested", "vp_capacity", "vp_max_batch",
     "wp_offsets", "wp_seeds", "wp_num_rows", "wp_input_errors", "wp_max_batch", "sync",
 )
 PLAN_STEP_FIELDS = 17  # the leading fields come from the step's inputs
@@ -352,6 +352,7 @@ def _make_plan_launch(vp, wp, owner, stream: int) -> _Launch:
                  vp_epos=_ptr(vp.expected_positions), vp_etok=_ptr(vp.expected_tokens),
                  vp_offsets=_ptr(vp.offsets), vp_num_valid=_ptr(vp.num_valid), vp_enable=_ptr(vp.enable),
                  vp_requested=_ptr(vp.requested), vp_input_errors=_ptr(vp.input_errors),
+                 vp_overflows=_ptr(vp.overflows), vp_max_requested=_ptr(vp.max_requested),
                  vp_capacity=vp.capacity, vp_max_batch=vp.max_batch)
     if wp is not None:
         v.update(wp_offsets=_ptr(wp.offsets), wp_seeds=_ptr(wp.seed_slots), wp_num_rows=_ptr(wp.num_rows),

@@ -155,6 +155,8 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
         vp.num_valid[0] = min(total, cap)
         vp.enable[0] = 1 if total <= cap else 0
         vp.input_errors[0] += errors
+        vp.overflows[0] += 1 if total > cap else 0
+        vp.max_requested[0] = max(int(vp.max_requested[0]), total)
         if total <= cap:
             # Phase 2: the entries, only now that they are known to fit.
             lim = None
