@@ -9,17 +9,13 @@ Counters, counted on the device without a host sync:
 Every test takes the ``xp`` / ``device`` fixtures, so the same known answers are
 checked on the CUDA backend where a GPU is visible.
 """
-import pathlib
-import sys
 import tracemalloc
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy import FailReason as F  # noqa: E402
-from workloads import Env, host  # noqa: E402
+import kvcanary_cupy as kc
+from kvcanary_cupy import FailReason as F
+from tests.workloads import Env, host
 
 N = 64
 ROW1 = [5, 9, 2, 30, 17, 8, 40, 41, 3, 22, 60, 33, 12, 13, 14, 15]

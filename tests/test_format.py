@@ -1,18 +1,18 @@
 """The record format: hash constants, vectorized splitmix64 / mix3, chain helpers."""
-import pathlib
 import subprocess
 import sys
 import warnings
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import format as fmt
+from tests.workloads import mix as mix3_int  # scalar models on Python ints
+from tests.workloads import sm64 as splitmix64_int
 
 M64 = (1 << 64) - 1
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from workloads import mix as mix3_int, sm64 as splitmix64_int  # noqa: E402  (scalar models on Python ints)
 
 
 def test_published_constants():

@@ -4,19 +4,27 @@ Expected records come from the scalar oracles in ``workloads`` (``chain_of``,
 ``fingerprint_of``) or ``format.make_records``, never from running an op twice.
 Every test runs on NumPy and, where a GPU is visible, on CuPy.
 """
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy import FailReason as F  # noqa: E402
-from kvcanary_cupy import RealKvMode  # noqa: E402
-from workloads import (ANCHOR_HASH, Env, KvPool, arr, chain_of, fingerprint_of, host, kv_sources, mix,  # noqa: E402
-                       s64, sm64, vrow)
+import kvcanary_cupy as kc
+from kvcanary_cupy import FailReason as F
+from kvcanary_cupy import RealKvMode
+from tests.workloads import (
+    ANCHOR_HASH,
+    Env,
+    KvPool,
+    arr,
+    chain_of,
+    fingerprint_of,
+    host,
+    kv_sources,
+    mix,
+    s64,
+    sm64,
+    vrow,
+)
 
 N = 64
 ROW1 = [5, 9, 2, 30, 17, 8, 40, 41, 3, 22, 60, 33, 12, 13, 14, 15]

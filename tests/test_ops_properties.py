@@ -6,19 +6,27 @@ the vectorized backends. Every test takes the ``xp`` / ``device`` fixtures, so t
 same properties run against the CUDA backend where a GPU is visible.
 """
 import os
-import pathlib
-import sys
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy import FailReason as F  # noqa: E402
-from kvcanary_cupy import RealKvMode  # noqa: E402
-from workloads import (ANCHOR_HASH, Runner, arr, chain_of, fingerprint_of, host, kv_sources,  # noqa: E402
-                       make_kv_pools, make_workload, mix, s64)
+import kvcanary_cupy as kc
+from kvcanary_cupy import FailReason as F
+from kvcanary_cupy import RealKvMode
+from tests.workloads import (
+    ANCHOR_HASH,
+    Runner,
+    arr,
+    chain_of,
+    fingerprint_of,
+    host,
+    kv_sources,
+    make_kv_pools,
+    make_workload,
+    mix,
+    s64,
+)
 
 FIXTURES = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 # KVCANARY_EXAMPLES_SCALE shrinks every example count, for runs under slow tools

@@ -4,17 +4,13 @@ A bad row of a plan is dropped and counted in ``input_errors`` (cumulative, in e
 plan passed); a slot outside the canary becomes a SLOT_OUT_OF_RANGE violation; a
 forged plan is reported, not crashed on. Good rows in the same batch are untouched.
 """
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy import FailReason as F  # noqa: E402
-from workloads import Env, arr, chain_of, host, s64, vrow  # noqa: E402
+import kvcanary_cupy as kc
+from kvcanary_cupy import FailReason as F
+from tests.workloads import Env, arr, chain_of, host, s64, vrow
 
 N = 64
 ROW1 = [5, 9, 2, 30, 17, 8, 40, 41, 3, 22, 60, 33, 12, 13, 14, 15]

@@ -3,18 +3,14 @@
 Each misuse raises ValueError / TypeError whose message starts with ``kvcanary:``
 and names the argument at fault.
 """
-import pathlib
 import re
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy import RealKvMode  # noqa: E402
-from workloads import arr, host  # noqa: E402
+import kvcanary_cupy as kc
+from kvcanary_cupy import RealKvMode
+from tests.workloads import arr, host
 
 TABLE = np.arange(48, dtype=np.int64).reshape(3, 16)
 TABLE[0] = 0

@@ -6,21 +6,15 @@ past its end. Exits non-zero if the backend disagrees with the reference.
 """
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import sys
 
 import numpy as np
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
-
-import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy.backends import cuda, reference  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("kvc_fuzz", HERE / "test_parity_fuzz.py")
-fz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fz)
+import kvcanary_cupy as kc
+from kvcanary_cupy.backends import cuda, reference
+from tests.gpu import (
+    test_parity_fuzz as fz,  # run with the repository root on PYTHONPATH
+)
 
 
 def extremes(sides):
