@@ -2,8 +2,9 @@
 //
 // The CUDA twin of kvcanary_cupy/format.py. Every constant is written as
 //     inline constexpr <type> NAME = <value>;
-// with NAME as in format.py (FailReason bits as FAIL_<NAME>, RealKvMode as
-// REAL_KV_<NAME>), so a test can parse this file and keep both sides equal.
+// with NAME as in format.py (FailReason bits as FAIL_<NAME>), so a test can
+// parse this file and keep both sides equal. Only constants a kernel uses live
+// here.
 //
 // No standard header is included: NVRTC compiles this without the CUDA
 // toolkit's include directory (CuPy 14 cannot open <cstdint> there).
@@ -16,9 +17,6 @@ typedef unsigned long long u64;
 
 // --- record layout ----------------------------------------------------------
 inline constexpr i64 RECORD_WORDS = 4;  // int64 words per record
-inline constexpr i64 RECORD_BYTES = 32;
-inline constexpr i64 FIELD_TOKEN = 0;
-inline constexpr i64 FIELD_POSITION = 1;
 inline constexpr i64 FIELD_LINK = 2;
 inline constexpr i64 FIELD_FINGERPRINT = 3;
 inline constexpr i64 RESERVED_SLOT = 0;  // padding tokens park here; never verified
@@ -27,9 +25,7 @@ inline constexpr i64 PADDING_REQ = 0;    // request-table row 0: a padding batch
 // --- hash constants ---------------------------------------------------------
 inline constexpr u64 SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9ULL;
 inline constexpr u64 SPLITMIX_MUL2 = 0x94D049BB133111EBULL;
-inline constexpr u64 ANCHOR = 0xC0FFEE1234567890ULL;
-inline constexpr u64 ANCHOR_HASH = 0xDE7FAE23A9A1B716ULL;  // splitmix64(ANCHOR)
-inline constexpr i64 KV_CHUNK_BYTES = 16;                  // the real-KV fold eats 16-byte chunks
+inline constexpr u64 ANCHOR_HASH = 0xDE7FAE23A9A1B716ULL;  // splitmix64(ANCHOR), the first link of a chain
 
 // --- fail reasons (FailReason) ---------------------------------------------
 inline constexpr i64 FAIL_CHAIN = 1;
@@ -41,23 +37,8 @@ inline constexpr i64 FAIL_TOKEN = 32;
 inline constexpr i64 FAIL_SLOT_OUT_OF_RANGE = 64;
 inline constexpr i64 FAIL_INPUT_OUT_OF_RANGE = 128;
 
-// --- real-KV modes (RealKvMode) --------------------------------------------
-inline constexpr i64 REAL_KV_NONE = 0;
-inline constexpr i64 REAL_KV_PARTIAL = 1;
-inline constexpr i64 REAL_KV_ALL = 2;
-
 // --- violation ring layout --------------------------------------------------
-inline constexpr i64 VIOLATION_WORDS = 10;
-inline constexpr i64 COL_TAG = 0;
-inline constexpr i64 COL_SLOT = 1;
-inline constexpr i64 COL_POSITION = 2;
-inline constexpr i64 COL_STORED_TOKEN = 3;
-inline constexpr i64 COL_EXPECTED_TOKEN = 4;
-inline constexpr i64 COL_STORED_LINK = 5;
-inline constexpr i64 COL_EXPECTED_LINK = 6;
-inline constexpr i64 COL_FAIL_BITS = 7;
-inline constexpr i64 COL_BATCH_ROW = 8;
-inline constexpr i64 COL_EXPECTED_POSITION = 9;
+inline constexpr i64 VIOLATION_WORDS = 10;  // append_violation writes the columns in format.py's order
 
 // --- log counters -----------------------------------------------------------
 inline constexpr i64 NUM_COUNTERS = 6;
@@ -193,22 +174,16 @@ __device__ __forceinline__ void append_violation(i64* ring, i64* head, i64 capac
 }
 
 // --- real-KV fingerprint ------------------------------------------------------
-// KVC_FP_TILED selects how a warp with one slot per lane loads KV bytes: 0
-// (default) lets each lane read its own slot, 16 bytes per load, eight loads in
-// flight; 1 stages the bytes through a shared-memory tile so that every load
-// instruction reads whole 128-byte lines. Both compute the same fingerprints.
-// Measured on an H200, verify over 1M entries, 256 B/token, one source: lane
-// reads 146 us (random slots) / 107 us (sequential slots), tile 162 / 144 us;
-// each lane consumes whole 32-byte sectors over consecutive loads, so the
-// uncoalesced pattern costs no DRAM bandwidth and the tile only adds
-// instructions and shared-memory pressure. Kept as an option for other GPUs.
-#ifndef KVC_FP_TILED
-#define KVC_FP_TILED 0
-#endif
+// Each lane reads its own slot's bytes, 16 bytes per load, KVC_FOLD_AHEAD loads
+// in flight. Measured on an H200 (verify over 1M entries, 256 B/token, one
+// source), staging the bytes through a shared-memory tile so every load reads
+// whole 128-byte lines was slower (162 / 144 us against 146 / 107 us for random
+// / sequential slots): each lane consumes whole 32-byte sectors over consecutive
+// loads, so the uncoalesced pattern costs no DRAM bandwidth.
 // Chunks a lane reads ahead in fold_layer; blocks per SM the fingerprinting
 // kernels are compiled for (their register budget).
-#define KVC_FOLD_AHEAD (KVC_FP_TILED ? 4 : 8)
-#define KVC_FP_MIN_BLOCKS (KVC_FP_TILED ? 3 : 4)
+#define KVC_FOLD_AHEAD 8
+#define KVC_FP_MIN_BLOCKS 4
 
 // Fold of one source layer at one slot: acc = splitmix64(acc ^ w) over the
 // little-endian words of `chunks` 16-byte chunks, read directly by this lane,
@@ -247,64 +222,6 @@ __device__ __forceinline__ int lanes_per_fingerprint(i64 n, i64 folds) {
     return g;
 }
 
-// Chunks of a fold staged per pass through shared memory (128 bytes).
-inline constexpr int TILE_CHUNKS = 8;
-inline constexpr int TILE_STRIDE = TILE_CHUNKS + 1;  // padding: conflict-free 16-byte reads
-inline constexpr int MAX_WARPS = 8;                   // kernels that fingerprint run <= 256 threads
-inline constexpr int SLOTS_PER_LOAD = 32 / TILE_CHUNKS;    // slots one warp-wide load instruction covers
-inline constexpr int LOADS_PER_TILE = 32 / SLOTS_PER_LOAD;  // instructions to fill a tile of 32 slots
-
-// (KVC_FP_TILED) The fingerprint of each lane's own slot (one slot per lane),
-// with coalesced loads: the chunks go through a shared-memory tile, eight lanes
-// reading 128 contiguous bytes of one slot, four slots per instruction; then
-// every lane folds its own slot's chunks from the tile (the fold is sequential
-// per slot, so parallelism stays across slots). Chunks past the last whole tile
-// are read directly. Every lane of the warp must call it.
-__device__ __forceinline__ u64 fingerprint_warp(const i64* descs, i64 folds, i64 slot, bool need) {
-    __shared__ ulonglong2 tiles[MAX_WARPS * 32 * TILE_STRIDE];
-    ulonglong2* tile = tiles + (threadIdx.x >> 5) * (32 * TILE_STRIDE);
-    const unsigned lane = lane_id();
-    const unsigned need_mask = __ballot_sync(FULL_MASK, need);
-    if (need_mask == 0u) return 0;
-    const int j = (int)(lane % TILE_CHUNKS);
-    u64 r = 0;
-    for (i64 k = 0; k < folds; ++k) {
-        const i64* d = descs + k * FOLD_DESC_WORDS;
-        const i64 base = d[0], bpt = d[1], chunks = d[2];
-        u64 acc = 0;
-        i64 c0 = 0;
-        for (; c0 + TILE_CHUNKS <= chunks; c0 += TILE_CHUNKS) {
-#pragma unroll
-            for (int q = 0; q < LOADS_PER_TILE; ++q) {
-                const int s = q * SLOTS_PER_LOAD + (int)(lane / TILE_CHUNKS);
-                const i64 src = __shfl_sync(FULL_MASK, slot, s);  // the slot whose chunk j this lane loads
-                if ((need_mask >> s) & 1u)
-                    tile[s * TILE_STRIDE + j] = __ldg((const ulonglong2*)(base + src * bpt) + c0 + j);
-            }
-            __syncwarp();
-            if (need) {
-#pragma unroll 2
-                for (int c = 0; c < TILE_CHUNKS; ++c) {
-                    const ulonglong2 w = tile[lane * TILE_STRIDE + c];
-                    acc = splitmix64(acc ^ w.x);
-                    acc = splitmix64(acc ^ w.y);
-                }
-            }
-            __syncwarp();
-        }
-        if (need) {
-            const ulonglong2* p = (const ulonglong2*)(base + slot * bpt);
-            for (; c0 < chunks; ++c0) {
-                const ulonglong2 w = __ldg(p + c0);
-                acc = splitmix64(acc ^ w.x);
-                acc = splitmix64(acc ^ w.y);
-            }
-            r = splitmix64(r ^ acc);
-        }
-    }
-    return need ? r : 0;
-}
-
 // The fingerprint of `slot` over `folds` source layers, combined in layer
 // order: R = splitmix64(R ^ fold). With g == 1 every lane has its own slot and
 // folds it layer after layer (parallelism across slots). With g > 1 the g lanes of an aligned group share one
@@ -315,13 +232,9 @@ __device__ __forceinline__ u64 fingerprint_warp(const i64* descs, i64 folds, i64
 __device__ __forceinline__ u64 fingerprint(const i64* descs, i64 folds, i64 slot, bool need, int g) {
     u64 r = 0;
     if (g == 1) {
-#if KVC_FP_TILED
-        return fingerprint_warp(descs, folds, slot, need);
-#else
         if (need)
             for (i64 k = 0; k < folds; ++k) r = splitmix64(r ^ fold_layer(descs + k * FOLD_DESC_WORDS, slot));
         return r;
-#endif
     }
     unsigned lane = lane_id();
     unsigned group_base = lane & ~(unsigned)(g - 1);

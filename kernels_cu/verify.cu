@@ -148,22 +148,4 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
     }
 }
 
-// Fingerprints of n slots (a helper for tests and tools, not an op).
-__global__ void __launch_bounds__(256, KVC_FP_MIN_BLOCKS)
-    fingerprint_slots(const i64* folds, i64 num_folds, const i64* slots, i64 n, u64* out) {
-    const int g = lanes_per_fingerprint(n, num_folds);
-    const int shift = __ffs(g) - 1;
-    const i64 total = n << shift;
-    const i64 warp0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 base = warp0 << 5; base < total; base += warps << 5) {
-        const i64 q = base + lane_id();
-        const bool act = q < total;
-        const i64 e = q >> shift;
-        const i64 slot = act ? slots[e] : 0;
-        u64 f = fingerprint(folds, num_folds, slot, act, g);
-        if (act && (q & (g - 1)) == 0) out[e] = f;
-    }
-}
-
 }  // namespace kvc

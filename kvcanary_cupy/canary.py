@@ -1,11 +1,12 @@
 """CanaryBuffer (the records) and RealKvSource (a byte view of a KV pool)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import arrays, runtime, scalars
+from .launch_cache import LaunchCache
 from .format import KV_CHUNK_BYTES, RECORD_WORDS
 
 
@@ -16,6 +17,8 @@ class CanaryBuffer:
     Attributes:
         records: int64 ``[num_slots, 4]`` (token, position, link, fingerprint),
             NumPy on ``"cpu"``, CuPy on CUDA. A new buffer is zeros.
+        launches: the prepared write and verify calls made with this canary
+            (:class:`~kvcanary_cupy.launch_cache.LaunchCache`); they go with it.
 
     Example::
 
@@ -25,6 +28,7 @@ class CanaryBuffer:
     """
 
     records: object
+    launches: LaunchCache = field(default_factory=LaunchCache, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # write stores records at raw addresses: the array must be writable and packed.

@@ -28,6 +28,7 @@ SPLITMIX_MUL2 = 0x94D049BB133111EB
 ANCHOR = 0xC0FFEE1234567890
 ANCHOR_HASH = 0xDE7FAE23A9A1B716  # splitmix64(ANCHOR); checked by the tests
 KV_CHUNK_BYTES = 16  # the real-KV fold consumes 16-byte chunks
+FOLD_DESC_WORDS = 4  # int64 words of one real-KV fold descriptor row the CUDA backend uploads
 
 # --- violation ring layout ---------------------------------------------------
 VIOLATION_COLUMNS = (

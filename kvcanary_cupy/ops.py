@@ -8,26 +8,15 @@ reference on ``"cpu"``, the CUDA backend on a GPU. Data the host cannot see
 """
 from __future__ import annotations
 
-import functools
-import sys
 from typing import Sequence
 
 from . import arrays, runtime, scalars
+from .backends import backend_for
 from .canary import CanaryBuffer, RealKvSource
 from .format import RealKvMode
+from .launch_cache import LaunchCache
 from .plans import ExpectedTokens, FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
 from .violations import ViolationLog
-
-
-def backend_for(device: str):
-    """The backend module for a device string."""
-    if device == "cpu":
-        from .backends import reference  # noqa: PLC0415
-
-        return reference
-    from .backends import cuda  # noqa: PLC0415  (imports CuPy)
-
-    return cuda
 
 
 def _expect(obj, cls, name):
@@ -59,86 +48,52 @@ def _outputs_apart(op: str, canary, log, **others) -> None:
 
 
 class _Call:
-    """A validated op call: the backend function and the views it takes.
+    """A validated op call: its prepared launch, and how to find its stream.
 
     ``given`` are the caller's array arguments, ``views`` their imported views; the
     call is *native* when every one was already a NumPy / CuPy array (nothing was
-    imported), and only then may it be replayed for the same arguments.
+    imported), and only then may it be kept and run again for the same arguments.
     """
 
-    __slots__ = ("launch", "device", "foreign", "native", "stream", "stream_ptr")
+    __slots__ = ("launch", "cpu", "foreign", "native", "stream", "stream_ptr")
 
-    def __init__(self, fn, device, args, kwargs, given=(), views=()):
-        self.device = device
+    def __init__(self, prepare, device, args, kwargs, stream, given=(), views=()):
+        self.cpu = device == "cpu"
         self.native = all(g is v for g, v in zip(given, views))
         self.foreign = () if self.native else given  # they pick the default stream (PyTorch's)
-        # A backend may pack the call once (bind_<op>); else the call is made in full each time.
-        bind = getattr(sys.modules[fn.__module__], "bind_" + fn.__name__, None)
-        self.launch = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)
+        ptr = None if self.cpu else runtime.resolve_stream(stream, self.foreign)
+        self.launch = prepare(*args, stream=ptr, **kwargs)
         # The last stream object given and its handle: a stream's handle never changes, and
         # holding the object keeps the handle from being reused by another stream.
-        self.stream = self.stream_ptr = None
+        self.stream, self.stream_ptr = (stream, ptr) if stream is not None else (None, None)
 
     def run(self, stream) -> None:
         if stream is not None and stream is self.stream:
-            self.launch(stream=self.stream_ptr)
+            self.launch(self.stream_ptr)
             return
-        s = None if self.device == "cpu" else runtime.resolve_stream(stream, self.foreign)
+        s = None if self.cpu else runtime.resolve_stream(stream, self.foreign)
         if stream is not None:
             self.stream, self.stream_ptr = stream, s
-        self.launch(stream=s)
+        self.launch(s)
 
 
-class _RecentCalls:
-    """An op's recent native calls, found again by the identity of their arguments.
-
-    A step that passes the very same objects again (bound buffers, long-lived plans,
-    one input set per captured batch size) skips validation and import: the shape,
-    dtype and device of a NumPy / CuPy array cannot change, and nothing here reads
-    array data. A key holds ``id()`` of each object argument and the value of each
-    scalar one; the entry keeps the objects themselves, so none of those ids can be
-    reused by another object while it is there. The oldest entry goes when it is full.
-
-    The calls of write / verify live on their canary, those of plan on its plan
-    (:func:`_recent_calls`): they go when the owner goes, with the arguments they hold.
-    Scatter, which has no owner object, keeps only its last call.
-    """
-
-    CAPACITY = 8
-    __slots__ = ("calls", "capacity")
-
-    def __init__(self, capacity: int = CAPACITY):
-        self.calls: dict = {}
-        self.capacity = capacity
-
-    def run(self, key, keep, prepare, args, stream) -> None:
-        """Run the call remembered under ``key``, else ``prepare(*args)``, remembered with
-        ``keep``: every object whose id is in ``key``."""
-        hit = self.calls.get(key)
-        if hit is not None:
-            hit[1].run(stream)
-            return
-        call = prepare(*args)
-        if call.native and self.capacity:
-            if len(self.calls) >= self.capacity:
-                del self.calls[next(iter(self.calls))]
-            self.calls[key] = (keep, call)
-        call.run(stream)
+def _run(cache: LaunchCache, key, keep, prepare, args, stream) -> None:
+    """Run the call ``cache`` keeps under ``key``, else ``prepare(args, stream)``, kept
+    (with ``keep``: every object whose id is in ``key``) when its arguments are native."""
+    call = cache.get(key)
+    if call is None:
+        call = prepare(args, stream)
+        if call.native:
+            cache.keep(key, keep, call)
+    call.run(stream)
 
 
-_RECENT_ATTR = "_kvcanary_recent_calls"
-_NO_MEMO = _RecentCalls(capacity=0)  # for owners of the wrong type: validation then raises
+_UNCACHED = LaunchCache(capacity=0)  # for owners of the wrong type: validation then raises
+_SCATTER = LaunchCache(capacity=1)  # scatter has no owner object: its last call only
 
 
-def _recent_calls(owner, cls) -> _RecentCalls:
-    """The recent calls kept on ``owner`` (a kvcanary object of class ``cls``). An entry
-    refers back to its owner, a cycle that Python's collector frees with the owner."""
-    if not isinstance(owner, cls):
-        return _NO_MEMO
-    memo = owner.__dict__.get(_RECENT_ATTR)
-    if memo is None:
-        memo = owner.__dict__[_RECENT_ATTR] = _RecentCalls()
-    return memo
+def _cache_of(owner, cls) -> LaunchCache:
+    return owner.launches if isinstance(owner, cls) else _UNCACHED
 
 
 def _scalar(x):
@@ -164,7 +119,6 @@ def _array(x):
         return id(x)
 
 
-_SCATTER = _RecentCalls(capacity=1)
 
 
 def _no_extra(op: str, extra: dict) -> None:
@@ -274,11 +228,12 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
            id(swa), _array(getattr(swa, "lut", None)), id(expected),
            _array(getattr(expected, "table", None)), _array(getattr(expected, "valid_lens", None)))
     owner = verify_plan if verify_plan is not None else write_plan
-    _recent_calls(owner, (VerifyPlan, WritePlan)).run(key, objs, _prepare_plan, objs, stream)
+    _run(_cache_of(owner, (VerifyPlan, WritePlan)), key, objs, _prepare_plan, objs, stream)
 
 
-def _prepare_plan(verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token,
-                  block_table, page_size, swa, expected) -> "_Call":
+def _prepare_plan(args, stream) -> _Call:
+    (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table, page_size,
+     swa, expected) = args
     if verify_plan is None and write_plan is None:
         raise ValueError("kvcanary: plan: expected a verify_plan, a write_plan or both, got neither")
     if verify_plan is not None:
@@ -311,10 +266,10 @@ def _prepare_plan(verify_plan, write_plan, req_pool_indices, prefix_lens, extend
         arrays.check_array(expected.valid_lens, "expected.valid_lens", device=device, min_len=bs)
         if verify_plan is None:
             raise ValueError("kvcanary: expected: expected tokens fill verify_plan.expected_tokens; pass a verify_plan")
-    return _Call(backend_for(device).plan, device, (verify_plan, write_plan),
+    return _Call(backend_for(device).prepare_plan, device, (verify_plan, write_plan),
                  dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table, page_size=page,
                       swa=swa, expected=expected),
-                 given=(req_pool_indices, prefix_lens, extend_lens, table_obj), views=(rpi, pre, ext, table))
+                 stream, given=(req_pool_indices, prefix_lens, extend_lens, table_obj), views=(rpi, pre, ext, table))
 
 
 def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, out_cache_loc,
@@ -345,12 +300,12 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
     objs = (canary, write_plan, input_ids, positions, out_cache_loc, log, *exp, *srcs)
     key = (id(canary), id(write_plan), *map(_array, (input_ids, positions, out_cache_loc, *exp)), id(log),
            *map(id, srcs), _scalar(tag), _scalar(real_kv_mode), len(exp))
-    _recent_calls(canary, CanaryBuffer).run(key, objs, _prepare_write, (
+    _run(_cache_of(canary, CanaryBuffer), key, objs, _prepare_write, (
         canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs), stream)
 
 
-def _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode,
-                   expected_inputs) -> "_Call":
+def _prepare_write(args, stream) -> _Call:
+    canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs = args
     device = _canary_device(canary, write_plan=(write_plan, WritePlan), log=(log, ViolationLog))
     tag = scalars.check_tag(tag)
     _outputs_apart("write", canary, log, write_plan=write_plan)
@@ -369,10 +324,10 @@ def _prepare_write(canary, write_plan, input_ids, positions, out_cache_loc, log,
             exp_pos = arrays.as_index_array(expected_inputs[1], "expected_inputs[1]", device=device)
             given.append(expected_inputs[1]), views.append(exp_pos)
     srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
-    return _Call(backend_for(device).write, device, (canary, write_plan),
+    return _Call(backend_for(device).prepare_write, device, (canary, write_plan),
                  dict(input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=tag, sources=srcs,
                       mode=mode, expected_tokens=exp_tok, expected_positions=exp_pos),
-                 given=tuple(given), views=tuple(views))
+                 stream, given=tuple(given), views=tuple(views))
 
 
 def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, tag: int,
@@ -396,20 +351,21 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
     objs = (canary, verify_plan, log, sample,
             *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
     key = (*map(id, objs), _scalar(tag), _scalar(real_kv_mode), _scalar(check_tokens))
-    _recent_calls(canary, CanaryBuffer).run(key, objs, _prepare_verify, (
+    _run(_cache_of(canary, CanaryBuffer), key, objs, _prepare_verify, (
         canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample), stream)
 
 
-def _prepare_verify(canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample) -> "_Call":
+def _prepare_verify(args, stream) -> _Call:
+    canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample = args
     optional = {} if sample is None else {"sample": (sample, FingerprintSampler)}
     device = _canary_device(canary, verify_plan=(verify_plan, VerifyPlan), log=(log, ViolationLog), **optional)
     tag = scalars.check_tag(tag)
     check_tokens = scalars.check_flag(check_tokens, "check_tokens")
     _outputs_apart("verify", canary, log, sample=sample)
     srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
-    return _Call(backend_for(device).verify, device, (canary, verify_plan),
+    return _Call(backend_for(device).prepare_verify, device, (canary, verify_plan),
                  dict(log=log, tag=tag, sources=srcs, mode=mode, check_tokens=check_tokens,
-                      sample=sample if srcs else None))
+                      sample=sample if srcs else None), stream)
 
 
 def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=None, **extra) -> None:
@@ -427,16 +383,17 @@ def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=
         _no_extra("scatter_expected_tokens", extra)
     objs = (table, tokens, offsets, req_pool_indices)
     key = (*map(_array, objs), getattr(getattr(table, "flags", None), "writeable", None))
-    _SCATTER.run(key, objs, _prepare_scatter, objs, stream)
+    _run(_SCATTER, key, objs, _prepare_scatter, objs, stream)
 
 
-def _prepare_scatter(table, tokens, offsets, req_pool_indices) -> "_Call":
+def _prepare_scatter(args, stream) -> _Call:
+    table, tokens, offsets, req_pool_indices = args
     t = arrays.as_index_array(table, "table", ndim=2)
     arrays.check_array(t, "table", writable=True)
     device = runtime.device_of(t)
     tok = arrays.as_index_array(tokens, "tokens", device=device)
     rpi = arrays.as_index_array(req_pool_indices, "req_pool_indices", device=device)
     off = arrays.as_index_array(offsets, "offsets", device=device, min_len=int(rpi.shape[0]) + 1)
-    return _Call(backend_for(device).scatter_expected_tokens, device, (t,),
+    return _Call(backend_for(device).prepare_scatter, device, (t,),
                  dict(tokens=tok, offsets=off, req_pool_indices=rpi),
-                 given=(table, tokens, offsets, req_pool_indices), views=(t, tok, off, rpi))
+                 stream, given=(table, tokens, offsets, req_pool_indices), views=(t, tok, off, rpi))

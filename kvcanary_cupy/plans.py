@@ -7,11 +7,12 @@ allocated for another.
 from __future__ import annotations
 
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import arrays, runtime, scalars
+from .launch_cache import LaunchCache
 
 _I64 = arrays.INT64
 
@@ -63,6 +64,8 @@ class VerifyPlan:
             then, cumulative over plans so a report read late loses nothing: rows
             dropped for out-of-range data, plans that overflowed, and the most
             entries any plan asked for (what the capacity must be to hold them all).
+        launches: the prepared plan calls made with this plan as owner
+            (:class:`~kvcanary_cupy.launch_cache.LaunchCache`); they go with it.
 
     Example::
 
@@ -82,6 +85,7 @@ class VerifyPlan:
     input_errors: object
     overflows: object
     max_requested: object
+    launches: LaunchCache = field(default_factory=LaunchCache, init=False, repr=False, compare=False)
 
     ENTRY_FIELDS = ("slot_indices", "prev_slot_indices", "expected_positions", "expected_tokens")
     SCALAR_FIELDS = ("num_valid", "enable", "requested", "input_errors", "overflows", "max_requested")
@@ -156,6 +160,8 @@ class WritePlan:
         position_check: device scalar ``[1]``; 1 turns on write's chain-position
             check. Device-resident, so a captured graph can be warmed up with it off
             and replayed with it on.
+        launches: the prepared plan calls made with this plan as owner (when no
+            verify plan is passed); they go with it.
 
     Example::
 
@@ -169,6 +175,7 @@ class WritePlan:
     num_rows: object
     input_errors: object
     position_check: object
+    launches: LaunchCache = field(default_factory=LaunchCache, init=False, repr=False, compare=False)
 
     FIELDS = ("offsets", "seed_slots", "num_rows", "input_errors", "position_check")
 

@@ -1,4 +1,5 @@
-"""ops' memo of recent native calls: repeated arguments skip validation, never correctness."""
+"""The launch cache of recent native calls: repeated arguments skip validation and packing,
+never correctness, and the cache holds nothing past its owner or its bound."""
 import gc
 import weakref
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from kvcanary_cupy import ops
+from kvcanary_cupy.launch_cache import LaunchCache
 
 TABLE = np.array([[0] * 8, [11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26, 27, 28]], dtype=np.int32)
 
@@ -20,11 +21,6 @@ def _slots(vp):
     return vp.host_entries()["slot_indices"].tolist()
 
 
-def _calls(owner) -> dict:
-    memo = owner.__dict__.get(ops._RECENT_ATTR)
-    return {} if memo is None else memo.calls
-
-
 def test_repeated_call_sees_new_contents(xp, device):
     vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2, device=device)
     a = _plan_args(xp, [1, 2], [2, 3])
@@ -34,7 +30,7 @@ def test_repeated_call_sees_new_contents(xp, device):
     a["req_pool_indices"][:] = xp.asarray([2, 1])
     kc.plan(vp, None, **a)
     assert _slots(vp) == [21, 11]
-    assert len(_calls(vp)) == 1
+    assert len(vp.launches) == 1
 
 
 def test_alternating_input_sets_are_both_kept(xp, device):
@@ -44,7 +40,7 @@ def test_alternating_input_sets_are_both_kept(xp, device):
         for s, want in zip(sets, ([11, 12, 13], [21, 11, 12])):
             kc.plan(vp, None, **s)
             assert _slots(vp) == want
-    assert len(_calls(vp)) == 2
+    assert len(vp.launches) == 2
 
 
 def test_new_arguments_are_validated_again(xp, device):
@@ -59,27 +55,29 @@ def test_new_arguments_are_validated_again(xp, device):
         kc.plan("not a plan", None, **a)
 
 
-def test_equal_scalars_hit_the_same_entry(xp, device):
+def test_equal_scalars_share_one_entry(xp, device):
     canary = kc.CanaryBuffer.allocate(num_slots=32, device=device)
     vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2, device=device)
     log = kc.ViolationLog.allocate(capacity=8, device=device)
     kc.plan(vp, None, **_plan_args(xp, [1], [0]))
     for tag in (1000, int("1000"), 999 + 1):  # equal values of one type, distinct objects
         kc.verify(canary, vp, log=log, tag=tag)
-    assert len(_calls(canary)) == 1
+    assert len(canary.launches) == 1
     kc.verify(canary, vp, log=log, tag=1001)
-    assert len(_calls(canary)) == 2
+    assert len(canary.launches) == 2
 
 
-def test_memo_is_bounded_and_evicts_the_oldest(xp, device):
+def test_memo_is_bounded_and_lets_the_oldest_arguments_go(xp, device):
     vp = kc.VerifyPlan.allocate(capacity=16, max_batch=2, device=device)
-    sets = [_plan_args(xp, [1], [k % 4]) for k in range(ops._RecentCalls.CAPACITY + 5)]
+    sets = [_plan_args(xp, [1], [k % 4]) for k in range(LaunchCache.CAPACITY + 5)]
+    first, last = weakref.ref(sets[0]["req_pool_indices"]), weakref.ref(sets[-1]["req_pool_indices"])
     for s in sets:
         kc.plan(vp, None, **s)
-    assert len(_calls(vp)) == ops._RecentCalls.CAPACITY
-    kept = {id(o) for objs, _ in _calls(vp).values() for o in objs}
-    assert id(sets[0]["req_pool_indices"]) not in kept
-    assert id(sets[-1]["req_pool_indices"]) in kept
+    assert len(vp.launches) == LaunchCache.CAPACITY
+    del sets, s
+    gc.collect()
+    assert first() is None  # evicted: its arguments are free
+    assert last() is not None  # kept: the next identical call skips validation
 
 
 def test_calls_go_with_their_canary(xp, device):
@@ -106,4 +104,4 @@ def test_foreign_inputs_are_not_kept():
     kc.plan(vp, None, req_pool_indices=torch.tensor([1]), prefix_lens=torch.tensor([2]),
             extend_lens=torch.tensor([0]), req_to_token=torch.from_numpy(TABLE))
     assert _slots(vp) == [11, 12]
-    assert len(_calls(vp)) == 0
+    assert len(vp.launches) == 0

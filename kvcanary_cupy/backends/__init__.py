@@ -1,7 +1,47 @@
-"""Backends implement one interface on already-validated views.
+"""The backends, and the interface both implement.
 
 ``reference`` (NumPy, the oracle) and ``cuda`` (CuPy RawModule launches) each
-provide ``plan``, ``write``, ``verify`` and ``scatter_expected_tokens`` with the
-keyword arguments :mod:`kvcanary_cupy.ops` passes, plus ``fingerprints``. They
-share no code but :mod:`kvcanary_cupy.format`.
+provide the functions of :class:`Backend`. ops.py validates and imports every
+argument, then asks the backend of the buffers' device to *prepare* the call; the
+prepared :class:`Launch` runs it on a stream as often as the caller repeats the
+call with the same arguments. The backends share no code but
+:mod:`kvcanary_cupy.format`.
 """
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Launch(Protocol):
+    """A prepared op call: run it on a stream (a raw ``cudaStream_t``; ``None`` on the CPU)."""
+
+    def __call__(self, stream: int | None) -> None: ...
+
+
+class Backend(Protocol):
+    """What ops.py calls. Arguments are already-validated NumPy / CuPy views and library
+    objects on the backend's device (see the ops of the same names); ``stream`` is the
+    stream the first launch will run on (for one-time uploads and zeroing)."""
+
+    def prepare_plan(self, vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size: int, swa,
+                     expected, stream: int | None) -> Launch: ...
+
+    def prepare_write(self, canary, wp, *, input_ids, positions, out_cache_loc, log, tag: int, sources, mode,
+                      expected_tokens, expected_positions, stream: int | None) -> Launch: ...
+
+    def prepare_verify(self, canary, vp, *, log, tag: int, sources, mode, check_tokens: bool, sample,
+                       stream: int | None) -> Launch: ...
+
+    def prepare_scatter(self, table, *, tokens, offsets, req_pool_indices, stream: int | None) -> Launch: ...
+
+
+def backend_for(device: str) -> Backend:
+    """The backend of a device string: the NumPy reference on ``"cpu"``, CUDA otherwise
+    (importing CuPy)."""
+    if device == "cpu":
+        from . import reference  # noqa: PLC0415
+
+        return reference
+    from . import cuda  # noqa: PLC0415
+
+    return cuda

@@ -113,7 +113,7 @@ def _spans(lengths: np.ndarray):
         yield lo, np.repeat(rows, n), np.arange(lo, hi, dtype=_I64) - np.repeat(starts[rows], n)
 
 
-def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected, stream=None):
+def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected):
     bs = req_pool_indices.shape[0]
     rp = req_pool_indices.astype(_I64)
     P = prefix_lens[:bs].astype(_I64)
@@ -189,7 +189,7 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
 
 # --- write -------------------------------------------------------------------
 def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode,
-          expected_tokens, expected_positions, stream=None):
+          expected_tokens, expected_positions):
     rec = canary.records
     N = rec.shape[0]
     planned_rows = int(wp.num_rows[0])
@@ -304,7 +304,7 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
 
 
 # --- verify ------------------------------------------------------------------
-def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample, stream=None):
+def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
     rec = canary.records
     N = rec.shape[0]
     log.counter_array[fmt.CTR_KERNEL_RUNS] += 1
@@ -375,7 +375,7 @@ def _batch_rows(vp, entries: np.ndarray) -> np.ndarray:
 
 
 # --- scatter_expected_tokens -------------------------------------------------
-def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=None):
+def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices):
     nreq, width = table.shape
     bs = req_pool_indices.shape[0]
     rp = req_pool_indices.astype(_I64)
@@ -386,3 +386,24 @@ def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=
     row = np.repeat(np.arange(bs), n)
     col = np.arange(row.shape[0], dtype=_I64) - np.repeat(np.cumsum(n) - n, n)
     table[rp[row], col] = tokens[lo[row] + col]
+
+
+# --- the Backend interface: a prepared launch is the call, bound --------------------
+def prepare_plan(vp, wp, *, stream=None, **inputs):
+    """:func:`plan` bound to its arguments (nothing to pack on the CPU)."""
+    return lambda _stream: plan(vp, wp, **inputs)
+
+
+def prepare_write(canary, wp, *, stream=None, **inputs):
+    """:func:`write` bound to its arguments."""
+    return lambda _stream: write(canary, wp, **inputs)
+
+
+def prepare_verify(canary, vp, *, stream=None, **inputs):
+    """:func:`verify` bound to its arguments."""
+    return lambda _stream: verify(canary, vp, **inputs)
+
+
+def prepare_scatter(table, *, stream=None, **inputs):
+    """:func:`scatter_expected_tokens` bound to its arguments."""
+    return lambda _stream: scatter_expected_tokens(table, **inputs)

@@ -17,6 +17,12 @@ from tests.gpu import (
 )
 
 
+def run(prepare, *args, **kwargs):
+    """A backend's op, prepared and launched on the default stream (no ops-level checks:
+    the cases here hand the kernels what validation would refuse)."""
+    prepare(*args, stream=0, **kwargs)(0)
+
+
 def extremes(sides):
     """Hand-made worst cases: empty batch, zero-width table, empty LUT, zero capacity,
     huge lengths and indices, corrupted plan scalars, spans past every input."""
@@ -25,7 +31,7 @@ def extremes(sides):
         vp = kc.VerifyPlan.allocate(capacity=0, max_batch=3, device=dev)
         wp = kc.WritePlan.allocate(max_batch=3, device=dev)
         e = xp.zeros(0, dtype=xp.int64)
-        be.plan(vp, wp, req_pool_indices=e, prefix_lens=e, extend_lens=e, table=xp.zeros((2, 0), xp.int32),
+        run(be.prepare_plan, vp, wp, req_pool_indices=e, prefix_lens=e, extend_lens=e, table=xp.zeros((2, 0), xp.int32),
                 page_size=1, swa=None, expected=None)
         out.append((vp.host_scalars(), kc.runtime.to_host(wp.offsets).tolist()))
         big = 1 << 62
@@ -38,7 +44,7 @@ def extremes(sides):
         et = kc.ExpectedTokens(xp.zeros((0, 3), xp.int64), xp.asarray([9, 9, 9, 9, 9]), 1)
         table = xp.asarray([[0, 0, 0], [5, 6, 7], [1 << 61, 3, 4]])
         for swa, exp, page in ((None, None, 1), (lut, None, 1), (None, et, 1), (None, None, 4)):
-            be.plan(vp, wp, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table, page_size=page,
+            run(be.prepare_plan, vp, wp, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table, page_size=page,
                     swa=swa, expected=exp)
             out.append((vp.host_scalars(), kc.runtime.to_host(wp.seed_slots).tolist()))
         canary = kc.CanaryBuffer.allocate(num_slots=8, device=dev)
@@ -47,7 +53,7 @@ def extremes(sides):
         wp.offsets[:] = xp.asarray([-4, 0, 2, 3, 1 << 50, 1 << 60])
         wp.seed_slots[:] = xp.asarray([-1, 7, 8, -9, 3])
         tok = xp.asarray([1, 2, 3], dtype=xp.int32)
-        be.write(canary, wp, input_ids=tok, positions=tok, out_cache_loc=xp.asarray([9, -1, 7]), log=log, tag=2,
+        run(be.prepare_write, canary, wp, input_ids=tok, positions=tok, out_cache_loc=xp.asarray([9, -1, 7]), log=log, tag=2,
                  sources=(), mode=kc.RealKvMode.NONE, expected_tokens=None, expected_positions=None)
         vp.num_valid.fill(1 << 40)
         vp.enable.fill(1)
@@ -56,10 +62,10 @@ def extremes(sides):
         pool = xp.zeros(8 * 16, dtype=xp.uint8)
         src = kc.RealKvSource(pool, page_size=1, bytes_per_token=16)
         samp = kc.FingerprintSampler.allocate(period=3, device=dev)
-        be.verify(canary, vp, log=log, tag=1, sources=(src,), mode=kc.RealKvMode.ALL, check_tokens=True, sample=samp)
+        run(be.prepare_verify, canary, vp, log=log, tag=1, sources=(src,), mode=kc.RealKvMode.ALL, check_tokens=True, sample=samp)
         out.append((log.count, log.counters(), canary.host_records().tolist(), kc.runtime.to_host(samp.state).tolist()))
         t = xp.zeros((3, 2), dtype=xp.int32)
-        be.scatter_expected_tokens(t, tokens=xp.arange(5), offsets=xp.asarray([0, 4, 9, -1, 2]),
+        run(be.prepare_scatter, t, tokens=xp.arange(5), offsets=xp.asarray([0, 4, 9, -1, 2]),
                                    req_pool_indices=xp.asarray([1, 2, 7, 2]))
         out.append(kc.runtime.to_host(t).tolist())
         yield out
