@@ -1,16 +1,18 @@
-"""``python -m kvcanary_cupy selftest | bench | info``."""
+"""``python -m kvcanary_cupy selftest | info``."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m kvcanary_cupy {selftest,bench,info} [options]
+USAGE = """usage: python -m kvcanary_cupy {selftest,info} [options]
 
   selftest   clean run plus every fault class on a simulated engine (exit 0: all caught, no false positives)
-  bench      per-step cost of the ops and the monitor
   info       version, kernel source directory, CuPy / GPU visibility
 
 python -m kvcanary_cupy COMMAND --help lists a command's options.
+The benchmarks are not part of the package: python -m bench, from the top of a checkout.
 """
+BENCH_MOVED = ("kvcanary: bench: the benchmarks live in the repository's bench/ folder, not in the package; "
+               "run them from a checkout with python -m bench")
 
 
 def info() -> int:
@@ -52,23 +54,6 @@ def info() -> int:
     return 0
 
 
-def bench(argv) -> int:
-    import importlib  # noqa: PLC0415
-
-    try:
-        mod = importlib.import_module("kvcanary_cupy.bench")
-    except ModuleNotFoundError as e:
-        if e.name != "kvcanary_cupy.bench":
-            raise
-        mod = None
-    run = getattr(mod, "main", None)
-    if run is None:
-        print("kvcanary: bench: this installation has no kvcanary_cupy.bench module with a main(argv)",
-              file=sys.stderr)
-        return 2
-    return int(run(argv) or 0)
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -80,7 +65,8 @@ def main(argv=None) -> int:
 
         return selftest_main(rest)
     if cmd == "bench":
-        return bench(rest)
+        print(BENCH_MOVED, file=sys.stderr)
+        return 2
     if cmd == "info":
         return info()
     print(f"kvcanary: unknown command {cmd!r}\n{USAGE}", file=sys.stderr, end="")

@@ -2,7 +2,8 @@
 # The whole GPU job, for a machine with a CUDA device and CuPy: every test (GPU ones
 # included: examples, graphs, DLPack, and tests/gpu/test_sanitizer.py, which runs the
 # out-of-range workload under compute-sanitizer memcheck), the parity fuzz, the selftest
-# on the CUDA backend and the benchmarks. STAGES="tests fuzz" picks stages.
+# on the CUDA backend and the benchmarks (bench/, run as python3 -m bench...).
+# STAGES="tests fuzz" picks stages.
 # Logs go to $OUT (default ./gpu-out). Each stage runs even if an earlier one failed;
 # the exit status is the number of failed stages.
 set -uo pipefail
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-STAGES=${STAGES:-"tests fuzz selftest overhead bench"}
+STAGES=${STAGES:-"tests fuzz selftest overhead selfcheck bench"}
 failed=0
 stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, print the tail
     local name=$1; shift
@@ -34,7 +35,10 @@ stage contention bash -c 'python3 scripts/gpu_busy.py 600 & busy=$!; sleep 3
 # Every GPU test under memcheck, file by file (slow; not in the default stages): STAGES=sanitizer.
 stage sanitizer bash scripts/sanitize_gpu_tests.sh
 stage selftest python3 -m kvcanary_cupy selftest --backend cuda --json /tmp/selftest.json
-stage overhead python3 benchmarks/monitor_host_overhead.py
-cp benchmarks/README.md "$OUT/bench.md" 2>/dev/null  # the harness fills in its table; copy it back
-stage bench python3 -m kvcanary_cupy bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" ${BENCH_ARGS:-}
+stage overhead python3 -m bench.monitor_host_overhead
+stage selfcheck python3 -m bench.selfcheck
+# The harness fills in the table of a copy of bench/README.md; copy it (and bench.json, as
+# bench/results.json) back to bench/ to publish a run.
+cp bench/README.md "$OUT/bench.md" 2>/dev/null
+stage bench python3 -m bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" ${BENCH_ARGS:-}
 exit $failed

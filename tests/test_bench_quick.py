@@ -1,4 +1,4 @@
-"""The bench harness: case sizes, byte counts, workloads, the report, and whole runs.
+"""The bench harness (``bench/``): case sizes, byte counts, workloads, the report, and whole runs.
 
 The pure parts run anywhere; ``test_cpu_dry_run`` drives the whole harness on the
 NumPy reference (figures meaningless, plumbing real); the GPU-marked smoke test
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from kvcanary_cupy.bench import cases as C
-from kvcanary_cupy.bench import floors, main, report, workloads
+from bench import cases as C
+from bench import floors, main, report, workloads
 
 H200_L2 = 60 << 20
 
@@ -137,7 +137,8 @@ def test_bench_steps_are_clean_and_sized_as_counted(case, kv_layers):
         for op in ("plan", "verify", "write", "verify"):
             calls[op]()
         sc = inst.vp.host_scalars()
-        assert sc == {"num_valid": case.entries, "enable": 1, "requested": case.entries, "input_errors": 0}
+        assert sc == {"num_valid": case.entries, "enable": 1, "requested": case.entries, "input_errors": 0,
+                      "overflows": 0, "max_requested": case.entries}
         assert log.count == 0
         written = canary.records[inst.out_cache_loc]
         assert np.array_equal(written[:, kc.format.FIELD_POSITION], inst.positions)
@@ -287,7 +288,7 @@ class _FakeCupy:
 
 
 def test_cuda_timer_brackets_each_run_and_flushes_between_runs():
-    from kvcanary_cupy.bench.timing import CudaTimer  # noqa: PLC0415
+    from bench.timing import CudaTimer  # noqa: PLC0415
 
     cp = _FakeCupy()
     stream = type("S", (), {"synchronize": lambda self: None})()
@@ -314,10 +315,60 @@ def test_main_rejects_bad_runs():
         main(["--runs", "0"])
 
 
+def test_bench_uses_only_the_public_api_of_the_package():
+    """bench/ stands outside the package: it imports kvcanary_cupy's public names (and
+    backends.cuda_sources, for the header it inlines into its probes), no private name."""
+    import ast  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415
+
+    bad = []
+    for path in sorted((pathlib.Path(__file__).resolve().parents[1] / "bench").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = set()  # names bound to kvcanary_cupy modules or objects
+        for node in ast.walk(tree):
+            where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.ImportFrom):
+                if node.level > 1:
+                    bad.append(f"{where}: relative import out of bench/")
+                if node.level or not (node.module or "").startswith("kvcanary_cupy"):
+                    continue
+                parts = node.module.split(".") + [a.name for a in node.names]
+                aliases |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                mods = [a for a in node.names if a.name.startswith("kvcanary_cupy")]
+                parts = [p for a in mods for p in a.name.split(".")]
+                aliases |= {a.asname or a.name.split(".")[0] for a in mods}
+            else:
+                continue
+            bad += [f"{where}: {'.'.join(parts)}" for p in parts if p.startswith("_")]
+            if "backends" in parts and parts[parts.index("backends") + 1:] != ["cuda_sources"]:
+                bad.append(f"{where}: {'.'.join(parts)} (of the backends, only cuda_sources)")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not bad, bad
+
+
+def test_bench_launches_only_the_probes_it_compiles():
+    import pathlib  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    from bench import probes  # noqa: PLC0415
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "bench"
+    used = {n for f in root.glob("*.py") if f.name != "probes.py" for n in re.findall(r'"(kvc::[^"]+)"', f.read_text())}
+    assert used == set(probes.NAME_EXPRESSIONS)
+    text = probes.source()
+    assert "#include" not in text and "inline constexpr" in text  # the library's header, inlined
+    kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", text))
+    assert {n.split("::")[1] for n in probes.NAME_EXPRESSIONS} <= kernels, kernels
+
+
 def test_readme_has_the_markers():
     import pathlib  # noqa: PLC0415
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "README.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[1] / "bench" / "README.md").read_text()
     assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
     assert text.index(report.BEGIN) < text.index(report.END)
 
@@ -380,7 +431,7 @@ def test_cpu_dry_run(tmp_path, capsys):
 def test_cpu_dry_run_rotating_input_sets(tmp_path, monkeypatch):
     """As on a GPU, tiny cases rotate over several input sets on one canary (a CPU has no
     L2 to defeat, so an H200's size is assumed): the sets must not disturb each other."""
-    from kvcanary_cupy.bench import platforms  # noqa: PLC0415
+    from bench import platforms  # noqa: PLC0415
 
     monkeypatch.setattr(platforms.CpuPlatform, "rotation_l2", lambda self: H200_L2)
     j, md = tmp_path / "b.json", tmp_path / "README.md"

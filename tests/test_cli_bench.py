@@ -1,5 +1,5 @@
-"""``python -m kvcanary_cupy bench`` without a GPU: one line that says what to do, and a CPU dry
-run whose tables hold no verdict on GPU targets and no negative figure."""
+"""``python -m bench`` without a GPU: one line that says what to do, and a CPU dry run whose
+tables hold no verdict on GPU targets and no negative figure."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvcanary_cupy.bench import main, report
+from bench import main, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +42,7 @@ NEGATIVE = re.compile(r"(?<![\w.\-])-\d")  # a minus sign starting a figure
 
 @pytest.mark.parametrize("source", [NO_DEVICE, NOT_INSTALLED], ids=["no-device", "not-installed"])
 def test_bench_without_a_cuda_device_is_one_line_not_a_traceback(tmp_path, source):
-    out = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "bench", "--json", str(tmp_path / "b.json")],
+    out = subprocess.run([sys.executable, "-m", "bench", "--json", str(tmp_path / "b.json")],
                          capture_output=True, text=True, env=fake_cupy_env(tmp_path, source), cwd=tmp_path,
                          timeout=300)
     assert out.returncode != 0

@@ -5,6 +5,8 @@ NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel through ``cuda-bindings``
 is needed. Each module is compiled to a cubin for sm_80 and sm_90 with the same
 text and options CuPy gets (common header inlined, no include path), so a
 source that needs a CUDA toolkit header fails here as it would under CuPy.
+The bench's own kernels (``bench/probes.cu``, not in the library's table) are
+compiled the same way, with the header inlined as the bench inlines it.
 
 Also checked without NVRTC: the header's constants equal format.py's, and the
 kernels' argument structs have the fields, in order, that the backend packs.
@@ -15,12 +17,23 @@ import re
 
 import pytest
 
+from bench import probes as bench_probes
 from kvcanary_cupy import format as fmt
 from kvcanary_cupy.backends import cuda as cuda_backend
 from kvcanary_cupy.backends import cuda_sources
 
 ARCHS = ("sm_80", "sm_90")
-CASES = [(fam, arch) for fam in cuda_sources.MODULES for arch in ARCHS]
+BENCH_PROBES = "bench/probes.cu"  # compiled by the bench, not by the library
+CASES = [(fam, arch) for fam in (*cuda_sources.MODULES, BENCH_PROBES) for arch in ARCHS]
+
+
+def _module(family: str):
+    """(file, options, name expressions, compiled text) of a library family or the bench's probes."""
+    if family == BENCH_PROBES:
+        return (bench_probes.FILE.name, bench_probes.OPTIONS, bench_probes.NAME_EXPRESSIONS,
+                bench_probes.source())
+    spec = cuda_sources.MODULES[family]
+    return spec.file, spec.options, spec.name_expressions, cuda_sources.source(family)
 
 
 def _nvrtc():
@@ -44,22 +57,21 @@ def _ok(nvrtc, result, what):
 @pytest.mark.parametrize("family,arch", CASES)
 def test_module_compiles(family, arch):
     nvrtc = _nvrtc()
-    spec = cuda_sources.MODULES[family]
-    src = cuda_sources.source(family)
+    file, options, name_expressions, src = _module(family)
     assert "#include" not in src, "the compiled text must not need any header"
-    (prog,) = _ok(nvrtc, nvrtc.nvrtcCreateProgram(src.encode(), spec.file.encode(), 0, [], []), "create")
+    (prog,) = _ok(nvrtc, nvrtc.nvrtcCreateProgram(src.encode(), file.encode(), 0, [], []), "create")
     try:
-        for ne in spec.name_expressions:
+        for ne in name_expressions:
             _ok(nvrtc, nvrtc.nvrtcAddNameExpression(prog, ne.encode()), f"add {ne}")
-        opts = [o.encode() for o in spec.options] + [f"-arch={arch}".encode()]
+        opts = [o.encode() for o in options] + [f"-arch={arch}".encode()]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         (size,) = _ok(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "log size")
         log = b" " * size
         nvrtc.nvrtcGetProgramLog(prog, log)
         text = log.decode(errors="replace").strip(" \x00\n")
-        assert res == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{spec.file} for {arch}:\n{text}"
-        assert "warning" not in text, f"{spec.file} for {arch} compiles with warnings:\n{text}"
-        for ne in spec.name_expressions:
+        assert res == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{file} for {arch}:\n{text}"
+        assert "warning" not in text, f"{file} for {arch} compiles with warnings:\n{text}"
+        for ne in name_expressions:
             (lowered,) = _ok(nvrtc, nvrtc.nvrtcGetLoweredName(prog, ne.encode()), f"lowered {ne}")
             assert lowered, ne
         (cubin_size,) = _ok(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
@@ -72,8 +84,7 @@ def test_backend_uses_only_listed_names():
     """Every kernel name the backend launches is a name expression of its module."""
     text = open(cuda_backend.__file__).read()
     used = set(re.findall(r'"(kvc::[^"]+)"', text))
-    listed = {ne for f, m in cuda_sources.MODULES.items() if f not in cuda_sources.BENCH_ONLY
-              for ne in m.name_expressions}
+    listed = {ne for m in cuda_sources.MODULES.values() for ne in m.name_expressions}
     assert used == listed, f"launched but not listed: {used - listed}; listed but never launched: {listed - used}"
 
 
@@ -86,22 +97,34 @@ def _header_constants() -> dict:
     return out
 
 
+def _python_twin(name: str) -> int:
+    if name.startswith("FAIL_"):
+        return int(fmt.FailReason[name[5:]])
+    return int(getattr(fmt, name))
+
+
 def test_header_constants_match_format():
+    """Every constant of the CUDA header equals its twin in format.py."""
     h = _header_constants()
-    for name in ("RECORD_WORDS", "RECORD_BYTES", "FIELD_TOKEN", "FIELD_POSITION", "FIELD_LINK", "FIELD_FINGERPRINT",
-                 "RESERVED_SLOT", "PADDING_REQ", "SPLITMIX_MUL1", "SPLITMIX_MUL2", "ANCHOR", "ANCHOR_HASH",
-                 "KV_CHUNK_BYTES", "VIOLATION_WORDS", "NUM_COUNTERS"):
-        assert h[name] == getattr(fmt, name), name
+    assert h, "no constants parsed"
+    for name, value in h.items():
+        assert value == _python_twin(name), name
     for i, counter in enumerate(fmt.COUNTER_NAMES):
-        assert h[f"CTR_{counter.upper()}"] == getattr(fmt, f"CTR_{counter.upper()}") == i, counter
-    assert fmt.NUM_COUNTERS == len(fmt.COUNTER_NAMES)
-    for i, col in enumerate(fmt.VIOLATION_COLUMNS):
-        assert h[f"COL_{col.upper()}"] == i, col
+        assert h[f"CTR_{counter.upper()}"] == i, counter
+    assert h["NUM_COUNTERS"] == len(fmt.COUNTER_NAMES)
     for reason in fmt.FailReason:
         if reason:
             assert h[f"FAIL_{reason.name}"] == int(reason), reason.name
-    for mode in fmt.RealKvMode:
-        assert h[f"REAL_KV_{mode.name}"] == int(mode), mode.name
+
+
+def test_header_holds_only_constants_kernels_use():
+    """A constant stays in the header only if kernel code (not a comment) uses it."""
+    d = cuda_sources.kernels_dir()
+    code = "\n".join(re.sub(r"//[^\n]*", "", (d / n).read_text())
+                      for n in [cuda_sources.HEADER] + [m.file for m in cuda_sources.MODULES.values()])
+    for name in _header_constants():
+        uses = len(re.findall(rf"\b{name}\b", code)) - 1  # less its definition
+        assert uses > 0 or name == "NUM_COUNTERS", f"{name} is defined but no kernel uses it"
 
 
 def test_kernels_index_counters_by_name():

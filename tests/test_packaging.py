@@ -2,10 +2,12 @@
 
 Builds a wheel of this checkout, installs it into a fresh virtual environment
 outside the repository, and imports it there: the package must load without CuPy,
-PyTorch or JAX and locate kernels_cu/ inside site-packages.
+PyTorch or JAX and locate kernels_cu/ inside site-packages. The wheel holds no
+benchmark code (bench/ stays in the checkout) and no CUDA source but the library's.
 """
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -61,13 +63,25 @@ def test_wheel_installs_and_finds_kernels(tmp_path):
     missing = [m for m in ("setuptools", "wheel") if importlib.util.find_spec(m) is None]
     assert not missing, f"the wheel build needs {' and '.join(missing)}: pip install -e '.[test]' brings them"
     dist = tmp_path / "dist"
+    # A copy of the sources without build outputs: setuptools puts into the wheel whatever an
+    # earlier build left in build/lib, files since moved or deleted included.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", ".pytest_cache", ".venv", "gpu-out", "out", ".whl"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(dist), str(ROOT)], check=True)
+                    "-w", str(dist), str(src)], check=True)
     (wheel,) = dist.glob("kvcanary_cupy-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for mod in list(cuda_sources.MODULES.values()):
         assert f"kvcanary_cupy/kernels_cu/{mod.file}" in names
     assert f"kvcanary_cupy/kernels_cu/{cuda_sources.HEADER}" in names
+    # No benchmark code: the harness, its probes and the PyTorch baseline stay in the checkout's bench/.
+    bench = [n for n in names if any(w in n for w in ("bench", "probes.cu", "torch_baseline", "bench_probes"))]
+    assert not bench, f"the wheel carries benchmark files: {bench}"
+    cuda = sorted(n for n in names if n.endswith((".cu", ".cuh")))
+    library = sorted([f"kvcanary_cupy/kernels_cu/{m.file}" for m in cuda_sources.MODULES.values()]
+                     + [f"kvcanary_cupy/kernels_cu/{cuda_sources.HEADER}"])
+    assert cuda == library, f"the wheel's CUDA sources are not exactly the library's kernels: {cuda}"
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)

@@ -1,4 +1,4 @@
-"""``python -m kvcanary_cupy selftest | bench | info``: the report, the exit codes, the CLI."""
+"""``python -m kvcanary_cupy selftest | info``: the report, the exit codes, the CLI."""
 from __future__ import annotations
 
 import json
@@ -100,25 +100,28 @@ def test_resolve_backend(monkeypatch):
     assert selftest.resolve_backend("auto") == "cuda"
 
 
-def test_cli_commands(monkeypatch, capsys):
+def test_cli_commands(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "kvcanary_cupy" in out and "kernel sources" in out and "gpu" in out
     assert cli.main([]) == 2 and "usage" in capsys.readouterr().out
     assert cli.main(["--help"]) == 0
     assert cli.main(["frobnicate"]) == 2 and "unknown command" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "kvcanary_cupy.bench", None)  # as if the bench module were absent
-    assert cli.main(["bench"]) == 2 and "no kvcanary_cupy.bench" in capsys.readouterr().err
 
 
-def test_bench_is_dispatched_with_its_arguments(monkeypatch):
-    import types
-
-    seen = []
-    fake = types.ModuleType("kvcanary_cupy.bench")
-    fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "kvcanary_cupy.bench", fake)
-    assert cli.main(["bench", "--quick"]) == 0 and seen == [["--quick"]]
+def test_bench_is_not_in_the_package_and_says_where_it_is(capsys):
+    """The benchmarks live in the checkout's bench/ folder: the package's ``bench`` command
+    says so in one line and exits 2, whatever its arguments."""
+    for argv in (["bench"], ["bench", "--quick", "--device", "cpu"]):
+        assert cli.main(argv) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert captured.out == "" and len(lines) == 1, captured
+        assert "bench/" in lines[0] and "python -m bench" in lines[0], lines[0]
+    out = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "bench"], capture_output=True, text=True, env=ENV,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out
+    assert "bench" not in cli.USAGE.split("\n", 1)[0]  # the usage line lists no bench command
 
 
 def test_module_entry_point_runs_a_selftest():

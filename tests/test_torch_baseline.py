@@ -1,4 +1,4 @@
-"""The bench's PyTorch baseline computes the same bytes as the NumPy reference.
+"""The bench's PyTorch baseline (``bench/torch_baseline.py``) computes the same bytes as the NumPy reference.
 
 Run on CPU torch tensors: plan entries, offsets, seeds and scalars; records after a
 write; violation rings (row for row, in order) and counters after verify and write,
@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 import kvcanary_cupy as kc
 from kvcanary_cupy import format as fmt
 
+from bench import torch_baseline as tb
+
 torch = pytest.importorskip("torch")
-tb = pytest.importorskip("kvcanary_cupy.bench.torch_baseline")
 
 POISON = -7
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -41,13 +41,9 @@ MODULES: dict[str, KernelModule] = {
     "plan": KernelModule("plan.cu", OPTIONS, ("kvc::plan_step",)),
     "write": KernelModule("write.cu", OPTIONS, ("kvc::write_tokens<false>", "kvc::write_tokens<true>")),
     "verify": KernelModule("verify.cu", OPTIONS,
-                           ("kvc::verify_entries<false>", "kvc::verify_entries<true>", "kvc::fingerprint_slots")),
+                           ("kvc::verify_entries<false>", "kvc::verify_entries<true>")),
     "scatter": KernelModule("scatter.cu", OPTIONS, ("kvc::scatter_expected_tokens",)),
-    # Timed by the benchmark harness only (kvcanary_cupy.bench), never by the backend.
-    "bench_probes": KernelModule("bench_probes.cu", OPTIONS,
-                                 ("kvc::bench_empty", "kvc::bench_empty_args", "kvc::bench_gather")),
 }
-BENCH_ONLY = ("bench_probes",)
 
 
 def kernels_dir() -> Path:
@@ -69,10 +65,19 @@ def source(family: str) -> str:
     """The full text of a kernel family's module, common header inlined."""
     if family not in MODULES:
         raise KeyError(f"kvcanary: no kernel family {family!r}; known: {sorted(MODULES)}")
-    d = kernels_dir()
-    text = (d / MODULES[family].file).read_text()
-    header = (d / HEADER).read_text()
+    file = MODULES[family].file
+    return inline_header((kernels_dir() / file).read_text(), what=file)
+
+
+def inline_header(text: str, *, what: str = "the source") -> str:
+    """``text``, CUDA source that includes the common header, with the header inlined.
+
+    What :func:`source` does to each kernel family; CUDA code outside the library
+    that includes ``kvcanary_common.cuh`` gets the same compiled text this way.
+    ``what`` names the source in the error raised when it does not include the header.
+    """
     if _INCLUDE not in text:
-        raise ValueError(f"kvcanary: {MODULES[family].file} does not include {HEADER}")
+        raise ValueError(f"kvcanary: {what} does not include {HEADER}")
+    header = (kernels_dir() / HEADER).read_text()
     header = header.replace("#pragma once\n", "", 1)  # meaningless once inlined
     return text.replace(_INCLUDE, header, 1)

@@ -1,22 +1,18 @@
-"""The CUDA backend at sizes the fuzz does not reach, plus its measurements.
+"""The CUDA backend at sizes the fuzz does not reach.
 
 Parity against the NumPy reference for: a batch wider than one block's scan
 (multi-pass row scan), a 16K-token prefill row with 256 B/token of real KV over
-several layered sources (the fingerprints must be spread over the grid), and
-the fingerprint helper. Then two measurements, printed: host microseconds per
-op with bound (pre-imported) CuPy buffers against a bare empty
-``cupy.RawKernel`` launch, and verify throughput against the memory floor.
+several layered sources (the fingerprints must be spread over the grid), page
+arithmetic past int64 and the skip counters. Host time per op and verify
+throughput are measured by ``python -m bench.selfcheck``.
 """
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import RealKvMode
-from kvcanary_cupy.backends import reference
 
 pytestmark = pytest.mark.gpu
 
@@ -185,150 +181,3 @@ def test_skip_counters_match_reference(cp):
     skipped = int((loc[: E.sum()] < 0).sum())
     assert rc["verifies_skipped"] == 2 and rc["writes_skipped"] == 1
     assert rc["tokens_skipped"] == 2 * skipped - int((loc[E[:3].sum(): E.sum()] < 0).sum())
-
-
-def test_fingerprint_helper_matches_reference(cp):
-    rng = np.random.default_rng(3)
-    N = 300
-    pools = [(rng.integers(0, 256, size=(L, N * b), dtype=np.uint8), b, r) for L, b, r in ((1, 32, 32), (3, 64, 48))]
-    slots = rng.integers(0, N, size=257)
-    for mode in (RealKvMode.PARTIAL, RealKvMode.ALL):
-        ref = reference.fingerprints([kc.RealKvSource(p, 1, b, r, layer_axis=True) for p, b, r in pools], mode, slots)
-        from kvcanary_cupy.backends import cuda  # noqa: PLC0415
-
-        got = cuda.fingerprints([kc.RealKvSource(cp.asarray(p), 1, b, r, layer_axis=True) for p, b, r in pools],
-                                mode, cp.asarray(slots))
-        assert np.array_equal(got.get(), ref)
-
-
-# --- measurements ------------------------------------------------------------------
-_SPIN = r"""
-extern "C" __global__ void kvc_spin(long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        __nanosleep(1000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while (t - t0 < (unsigned long long)ns);
-}
-extern "C" __global__ void kvc_empty() {}
-"""
-
-
-def _host_us(cp, fn, spin, calls=300, reps=5):
-    """Host microseconds per call, with the GPU held busy by a spin kernel so the
-    launches only queue (the time is the host's, not the GPU's)."""
-    fn()
-    cp.cuda.Device().synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        spin((1,), (1,), (np.int64(50_000_000),))
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-        cp.cuda.Device().synchronize()
-    return best
-
-
-def test_host_overhead_per_op(cp, capsys):
-    from kvcanary_cupy.backends import cuda  # noqa: PLC0415
-
-    mod = cp.RawModule(code=_SPIN)
-    spin, empty = mod.get_function("kvc_spin"), mod.get_function("kvc_empty")
-    rng = np.random.default_rng(0)
-    bs, N = 64, 8192
-    table = cp.asarray(rng.permutation(np.arange(1, N)).astype(np.int64)[: 65 * 100].reshape(65, 100))
-    rpi, pre, ext = cp.arange(1, bs + 1), cp.full(bs, 50), cp.ones(bs, dtype=cp.int64)
-    canary = kc.CanaryBuffer.allocate(num_slots=N, device="cuda")
-    log = kc.ViolationLog.allocate(capacity=1024, device="cuda")
-    vp = kc.VerifyPlan.allocate(capacity=bs * 50, max_batch=bs, device="cuda")
-    wp = kc.WritePlan.allocate(max_batch=bs, device="cuda")
-    ids, pos, loc = cp.arange(bs), cp.full(bs, 50), table[1:, 50].copy()
-    offs = cp.arange(bs + 1)
-    et = cp.zeros((65, 100), dtype=cp.int64)
-    NONE = RealKvMode.NONE
-    s = cp.cuda.get_current_stream().ptr
-    res = {
-        "bare RawKernel launch": _host_us(cp, lambda: empty((1,), (32,), ()), spin),
-        "backend.verify": _host_us(cp, lambda: cuda.verify(canary, vp, log=log, tag=1, sources=(), mode=NONE,
-                                                           check_tokens=False, sample=None, stream=s), spin),
-        "backend.write": _host_us(cp, lambda: cuda.write(canary, wp, input_ids=ids, positions=pos, out_cache_loc=loc,
-                                                         log=log, tag=2, sources=(), mode=NONE, expected_tokens=None,
-                                                         expected_positions=None, stream=s), spin),
-        "backend.plan (2 kernels)": _host_us(cp, lambda: cuda.plan(vp, wp, req_pool_indices=rpi, prefix_lens=pre,
-                                                                   extend_lens=ext, table=table, page_size=1, swa=None,
-                                                                   expected=None, stream=s), spin, calls=200),
-        "backend.scatter_expected_tokens": _host_us(cp, lambda: cuda.scatter_expected_tokens(
-            et, tokens=ids, offsets=offs, req_pool_indices=rpi, stream=s), spin),
-        "ops.verify": _host_us(cp, lambda: kc.verify(canary, vp, log=log, tag=1), spin),
-        "ops.write": _host_us(cp, lambda: kc.write(canary, wp, input_ids=ids, positions=pos, out_cache_loc=loc,
-                                                   log=log, tag=2), spin),
-        "ops.plan": _host_us(cp, lambda: kc.plan(vp, wp, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext,
-                                                 req_to_token=table), spin, calls=200),
-    }
-    bare = res["bare RawKernel launch"]
-    with capsys.disabled():
-        print("\nhost microseconds per call (GPU kept busy; best of 5 x 300 calls):")
-        for k, v in res.items():
-            print(f"  {k:34s} {v:7.2f} us  ({v / bare:4.2f}x bare)")
-    assert res["backend.verify"] < 3 * bare + 5  # loose: catches a regression to per-call packing
-
-
-def test_verify_throughput(cp, capsys):
-    """Verify over >= 1M entries with real-KV ALL at 256 B/token: effective bandwidth
-    (plan entries + records + KV bytes) against a device-to-device copy."""
-    rng = np.random.default_rng(1)
-    n, bpt = 1 << 20, 256
-    N = n + 1
-    slots = cp.asarray(rng.permutation(np.arange(1, N)))
-    pool = cp.asarray(rng.integers(0, 256, size=(N * bpt,), dtype=np.uint8))
-    src = kc.RealKvSource(pool, page_size=1, bytes_per_token=bpt)
-    log = kc.ViolationLog.allocate(capacity=16, device="cuda")
-    rows, per = 1024, n // 1024
-    table = cp.zeros((rows + 1, per), dtype=cp.int64)
-    table[1:] = slots.reshape(rows, per)
-    vp = kc.VerifyPlan.allocate(capacity=n, max_batch=rows, device="cuda")
-    wp = kc.WritePlan.allocate(max_batch=rows, device="cuda")
-    rpi = cp.arange(1, rows + 1)
-    kc.plan(vp, wp, req_pool_indices=rpi, prefix_lens=cp.zeros(rows, dtype=cp.int64),
-            extend_lens=cp.full(rows, per), req_to_token=table)
-    positions = cp.tile(cp.arange(per), rows)
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-
-    def timed(fn, reps=10):
-        fn()
-        ev0.record()
-        for _ in range(reps):
-            fn()
-        ev1.record()
-        ev1.synchronize()
-        return cp.cuda.get_elapsed_time(ev0, ev1) / reps * 1e3  # us
-
-    canaries, w_us = {}, {}
-    for mode in (RealKvMode.NONE, RealKvMode.PARTIAL, RealKvMode.ALL):
-        canaries[mode] = c = kc.CanaryBuffer.allocate(num_slots=N, device="cuda")
-        w_us[mode] = timed(lambda: kc.write(c, wp, input_ids=positions, positions=positions,
-                                            out_cache_loc=table[1:].ravel(), log=log, tag=2, real_kv=[src],
-                                            real_kv_mode=mode), reps=3)
-    kc.plan(vp, wp, req_pool_indices=rpi, prefix_lens=cp.full(rows, per), extend_lens=cp.zeros(rows, dtype=cp.int64),
-            req_to_token=table)
-    assert vp.host_scalars()["num_valid"] == n
-    out = {}
-    for mode in (RealKvMode.NONE, RealKvMode.PARTIAL, RealKvMode.ALL):
-        kv = {RealKvMode.NONE: 0, RealKvMode.PARTIAL: 16, RealKvMode.ALL: bpt}[mode]
-        us = timed(lambda: kc.verify(canaries[mode], vp, log=log, tag=1, real_kv=[src], real_kv_mode=mode))
-        out[mode.name] = (us, n * (32 + 64 + kv) / us / 1e3)
-    assert log.count == 0, log.read()[:3]  # every record verified clean
-    copy_bytes = 512 << 20
-    a, b = cp.empty(copy_bytes, dtype=cp.uint8), cp.empty(copy_bytes, dtype=cp.uint8)
-    c_us = timed(lambda: b.__setitem__(slice(None), a))
-    copy_gbs = 2 * copy_bytes / c_us / 1e3
-    with capsys.disabled():
-        print(f"\nverify over {n} entries (plan 32 B + 2 records 64 B + KV bytes per entry):")
-        for k, (us, gbs) in out.items():
-            print(f"  {k:8s} {us:9.1f} us  {gbs:8.1f} GB/s")
-        print(f"  device-to-device copy: {copy_gbs:.1f} GB/s (read + write)")
-        for k, us in w_us.items():
-            print(f"  write of {n} tokens in {rows} rows, {k.name}: {us:.1f} us")
-    assert log.counters()["slots_checked"] > 0

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ops
-from ..canary import CanaryBuffer, RealKvSource
-from ..format import LaunchTag, RealKvMode
-from ..plans import SwaWindow, VerifyPlan, WritePlan
+import kvcanary_cupy as kc
+from kvcanary_cupy import CanaryBuffer, LaunchTag, RealKvMode, RealKvSource, SwaWindow, VerifyPlan, WritePlan
+
 from .cases import Case
 
 VOCAB = 152_064  # a large vocabulary's token ids
@@ -149,12 +148,12 @@ def populate(xp, device: str, inst: Instance, canary: CanaryBuffer, log, rs, *, 
     if c.prefix == 0:
         return
     fill = WritePlan.allocate(max_batch=c.batch, device=device)
-    ops.plan(None, fill, req_pool_indices=inst.req_pool_indices, prefix_lens=xp.zeros(c.batch, dtype=INDEX_DTYPE),
+    kc.plan(None, fill, req_pool_indices=inst.req_pool_indices, prefix_lens=xp.zeros(c.batch, dtype=INDEX_DTYPE),
              extend_lens=inst.prefix_lens, req_to_token=inst.table, stream=stream)
     loc = inst.table[1:, : c.prefix].reshape(-1).astype(INDEX_DTYPE)
     if inst.swa is not None:
         loc = inst.swa.lut[loc].astype(INDEX_DTYPE)
-    ops.write(canary, fill, input_ids=rs.randint(0, VOCAB, size=c.batch * c.prefix, dtype=INDEX_DTYPE),
+    kc.write(canary, fill, input_ids=rs.randint(0, VOCAB, size=c.batch * c.prefix, dtype=INDEX_DTYPE),
               positions=xp.tile(xp.arange(c.prefix, dtype=INDEX_DTYPE), c.batch),
               out_cache_loc=xp.ascontiguousarray(loc), log=log, tag=LaunchTag.SWEEP, real_kv=sources,
               real_kv_mode=mode, stream=stream)
@@ -163,14 +162,14 @@ def populate(xp, device: str, inst: Instance, canary: CanaryBuffer, log, rs, *, 
 def op_calls(inst: Instance, canary: CanaryBuffer, log, *, sources=(), mode=RealKvMode.NONE, stream=None) -> dict:
     """``{"plan", "verify", "write"}``: zero-argument calls of one step's ops on ``inst``."""
     def plan():
-        ops.plan(inst.vp, inst.wp, req_pool_indices=inst.req_pool_indices, prefix_lens=inst.prefix_lens,
+        kc.plan(inst.vp, inst.wp, req_pool_indices=inst.req_pool_indices, prefix_lens=inst.prefix_lens,
                  extend_lens=inst.extend_lens, req_to_token=inst.table, swa=inst.swa, stream=stream)
 
     def verify():
-        ops.verify(canary, inst.vp, log=log, tag=LaunchTag.VERIFY, real_kv=sources, real_kv_mode=mode, stream=stream)
+        kc.verify(canary, inst.vp, log=log, tag=LaunchTag.VERIFY, real_kv=sources, real_kv_mode=mode, stream=stream)
 
     def write():
-        ops.write(canary, inst.wp, input_ids=inst.input_ids, positions=inst.positions,
+        kc.write(canary, inst.wp, input_ids=inst.input_ids, positions=inst.positions,
                   out_cache_loc=inst.out_cache_loc, log=log, tag=LaunchTag.WRITE, real_kv=sources,
                   real_kv_mode=mode, stream=stream)
 

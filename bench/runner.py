@@ -30,10 +30,9 @@ import traceback
 
 import numpy as np
 
-from ..runtime import to_host as _host
-from ..canary import CanaryBuffer
-from ..format import VIOLATION_COLUMNS, FailReason, LaunchTag, RealKvMode
-from ..violations import ViolationLog
+from kvcanary_cupy import CanaryBuffer, FailReason, LaunchTag, RealKvMode, ViolationLog
+from kvcanary_cupy.format import VIOLATION_COLUMNS
+
 from . import cases as C
 from . import floors, report, workloads
 from .timing import median
@@ -44,6 +43,11 @@ LOG_CAPACITY = 4096
 def _err(e: BaseException) -> str:
     tb = traceback.format_exception(type(e), e, e.__traceback__)
     return f"{type(e).__name__}: {e}\n" + "".join(tb[-6:])
+
+
+def _host(a) -> np.ndarray:
+    """A NumPy array of ``a`` (a NumPy or CuPy array; CuPy's copy synchronizes)."""
+    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def _tag_name(tag: int) -> str:

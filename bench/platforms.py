@@ -12,8 +12,7 @@ import time
 
 import numpy as np
 
-from ..backends import cuda as cuda_backend  # imports no CuPy until a kernel runs
-from ..backends import cuda_sources
+from . import probes
 from .timing import CudaTimer, TorchTimer, WallTimer
 
 GATHER_INDEX_BYTES = 8  # bench_gather reads one int64 index per element
@@ -132,9 +131,7 @@ class CudaPlatform:
 
     def _probe(self, name: str):
         if self._module is None:
-            spec = cuda_sources.MODULES["bench_probes"]
-            self._module = self.cp.RawModule(code=cuda_sources.source("bench_probes"), options=spec.options,
-                                             name_expressions=spec.name_expressions)
+            self._module = probes.module(self.cp)
         return self._module.get_function(name)
 
     def gather_probe(self, *, n: int, pool_slots: int, slot_bytes: int, runs: int) -> list[dict]:
@@ -148,11 +145,11 @@ class CudaPlatform:
         idx = rng.integers(1, pool_slots, size=n, dtype=cp.int64)
         sink = cp.zeros(1, dtype=cp.uint64)
         k = self._probe("kvc::bench_gather")
-        grid = cuda_backend._blocks(n, cuda_backend._runtime().resident_blocks(k.kernel.ptr, self.device_id))
+        grid = probes.blocks(n, probes.resident_blocks(self.cp, k, self.device_id))
         out = []
         for order, ix in (("random", idx), ("sorted", cp.sort(idx))):
             args = (pool, ix, np.int64(n), np.int64(words), sink)
-            t = self.timer.device(lambda _i: k((grid,), (cuda_backend.BLOCK,), args), runs=max(runs, 1), warmup=3,
+            t = self.timer.device(lambda _i: k((grid,), (probes.BLOCK,), args), runs=max(runs, 1), warmup=3,
                                   flush=True)
             moved = n * (GATHER_INDEX_BYTES + slot_bytes)
             out.append({"entries": n, "pool_slots": pool_slots, "slot_bytes": slot_bytes, "order": order,

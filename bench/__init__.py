@@ -1,14 +1,24 @@
-"""``python -m kvcanary_cupy bench``: time plan / verify / write against the memory floor,
-a bare kernel launch and a PyTorch baseline, on one GPU.
+"""``python -m bench``: time plan / verify / write against the memory floor, a bare kernel
+launch and a PyTorch baseline, on one GPU.
 
-    python -m kvcanary_cupy bench [--quick] [--json PATH] [--markdown PATH] [--runs N]
-                                  [--no-baseline] [--only REGEX] [--device cuda|cpu]
+Not part of the installed package: run it from the top of a checkout (which puts
+both ``bench`` and ``kvcanary_cupy`` on the import path), with the package installed
+or not::
+
+    python -m bench [--quick] [--json PATH] [--markdown PATH] [--runs N]
+                    [--no-baseline] [--only REGEX] [--device cuda|cpu]
 
 Writes a JSON file of every figure, a markdown report (spliced between the
 ``<!-- bench:begin -->`` / ``<!-- bench:end -->`` markers of ``--markdown``), prints
 the report and, last, a short table of the targets. ``--device cpu`` runs the
 harness on the NumPy reference and CPU torch: a check of the harness itself,
 whose figures mean nothing.
+
+Also here: ``python -m bench.monitor_host_overhead`` (host time of the monitor's step
+with bound buffers) and ``python -m bench.selfcheck`` (host time per op against a bare
+launch, verify bandwidth against a copy), both on a GPU; ``probes.cu`` holds the kernels
+the bench times beside the library's, ``torch_baseline.py`` the PyTorch baseline, and
+``README.md`` / ``results.json`` the figures of the last full run.
 
 Nothing here imports CuPy or PyTorch until a run starts.
 """
@@ -28,7 +38,7 @@ DESCRIPTION = ("Time plan / verify / write against the memory floor, a bare kern
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m kvcanary_cupy bench", description=DESCRIPTION)
+    ap = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION)
     ap.add_argument("--quick", action="store_true", help="a tiny subset (seconds): the smoke test")
     ap.add_argument("--json", metavar="PATH", default="kvcanary_bench.json",
                     help="where the JSON results go (default: %(default)s)")

@@ -24,7 +24,7 @@ import functools
 
 from dataclasses import dataclass
 
-from .. import format as fmt
+from kvcanary_cupy import format as fmt
 
 _MASK64 = (1 << 64) - 1
 
@@ -91,13 +91,15 @@ class TorchVerifyPlan:
     enable: object
     requested: object
     input_errors: object
+    overflows: object
+    max_requested: object
 
     @classmethod
     def allocate(cls, *, capacity: int, max_batch: int, device="cpu", fill: int = -1) -> "TorchVerifyPlan":
         full = functools.partial(_full_i64, device=device)
 
         return cls(full(capacity, fill), full(capacity, fill), full(capacity, fill), full(capacity, fill),
-                   full(max_batch + 1, 0), full(1, 0), full(1, 0), full(1, 0), full(1, 0))
+                   full(max_batch + 1, 0), full(1, 0), full(1, 0), full(1, 0), full(1, 0), full(1, 0), full(1, 0))
 
     @property
     def capacity(self) -> int:
@@ -315,6 +317,8 @@ def plan(vp: TorchVerifyPlan | None, wp: TorchWritePlan | None, *, req_pool_indi
         vp.num_valid.fill_(min(total, cap))
         vp.enable.fill_(1 if total <= cap else 0)
         vp.input_errors.add_(errors)
+        vp.overflows.add_(1 if total > cap else 0)
+        vp.max_requested.clamp_(min=total)
         if total <= cap:
             vp.slot_indices[:total] = slot
             vp.prev_slot_indices[:total] = prev

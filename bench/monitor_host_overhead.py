@@ -5,7 +5,7 @@ source; the engine's per-step buffers are bound once, so a step pays no DLPack i
 Prints the median host time per step over many steps (the device is synchronized only
 every 64 steps, so the queue never throttles the host).
 
-    python benchmarks/monitor_host_overhead.py
+    python -m bench.monitor_host_overhead    (from the top of a checkout)
 """
 import statistics
 import time

@@ -1,7 +1,10 @@
-// bench_probes.cu: kernels the benchmark harness times to put the ops' figures in
-// context. Not used by the library.
+// probes.cu: kernels the benchmark harness times to put the ops' figures in context.
+// Not part of the library: bench/probes.py compiles this file with the library's
+// common header inlined (kvcanary_cupy.backends.cuda_sources.inline_header).
 //
 // bench_empty, bench_empty_args: the bare launches host overhead is compared to.
+// bench_spin: holds one thread busy for `ns` nanoseconds of the global timer, so the
+// launches queued behind it measure the host's cost alone (bench/selfcheck.py).
 // bench_gather: the cheapest way to read `words` 16-byte words at each of n
 // indices (a slot starts at word idx * words), the access pattern of verify's
 // record and KV reads. Its time at random indices is the floor that scattered
@@ -14,6 +17,15 @@ namespace kvc {
 __global__ void bench_empty() {}
 
 __global__ void bench_empty_args(const i64*, const i64*, const i64*, i64*, i64*, i64, i64, int) {}
+
+__global__ void bench_spin(i64 ns) {
+    u64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < (u64)ns);
+}
 
 __global__ void __launch_bounds__(256) bench_gather(const ulonglong2* pool, const i64* idx, i64 n, i64 words,
                                                     u64* sink) {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import KV_CHUNK_BYTES, RECORD_BYTES
+from kvcanary_cupy.format import KV_CHUNK_BYTES, RECORD_BYTES
 
 PLAN_WORD = 8
 ENTRY_ARRAYS = 4  # slot, prev slot, expected position, expected token

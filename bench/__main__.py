@@ -1,0 +1,6 @@
+"""``python -m bench``: see :mod:`bench`."""
+import sys
+
+from . import main
+
+sys.exit(main())
