@@ -24,9 +24,13 @@ __all__ = [
 ]
 
 
+# The monitor package (kvcanary_cupy.monitor) pulls in more: load it on first use of one of these.
+_MONITOR_NAMES = ("KvCanary", "KvCanaryError", "KvCanaryWarning", "SwaGroup", "SweepChain")
+
+
 def __getattr__(name):
-    if name in ("KvCanary", "KvCanaryError", "KvCanaryWarning", "SwaGroup", "SweepChain"):
-        from . import monitor  # noqa: PLC0415  (the monitor pulls in more; load it on first use)
+    if name in _MONITOR_NAMES:
+        from . import monitor  # noqa: PLC0415
 
         return getattr(monitor, name)
     raise AttributeError(f"module 'kvcanary_cupy' has no attribute {name!r}")

@@ -208,6 +208,54 @@ def test_overflow_without_growth_skips_and_counts(xp, device):
     assert s["overflows"] == 2 and s["groups"]["main"]["capacity"] == 2
 
 
+def test_overflow_counts_are_the_plans_own_scalars(xp, device):
+    """The plan kernel keeps overflows and the largest request; stats report exactly those."""
+    toy = Toy(xp, device, verify_capacity=2, grow_on_overflow=False)
+    toy.step([1], [6])
+    with pytest.warns(KvCanaryWarning, match=r"overflowed in 2 step\(s\) \(largest request 7 entries"):
+        toy.step([1], [1])
+        toy.step([1], [1])
+        drain(toy.mon, xp)
+    plan = toy.mon.verify_plan.host_scalars()
+    g = toy.mon.stats()["groups"]["main"]
+    assert (plan["overflows"], plan["max_requested"]) == (g["overflows"], g["max_requested"]) == (2, 7)
+
+
+def test_cpu_repair_reports_and_counts_each_overflow_and_bad_row_once():
+    """On the CPU an overflowing step is grown and planned again at once; the second plan
+    counts neither the overflow nor the step's bad rows again, and poll does not re-report."""
+    toy = Toy(np, "cpu", verify_capacity=2)
+    toy.step([1, 2], [3, 3])
+    toy.set_entry(2, 1, -5)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always", KvCanaryWarning)
+        toy.step([1, 2], [1, 1])
+        toy.mon.poll()
+        toy.mon.poll()
+    msgs = [str(w.message) for w in got if issubclass(w.category, KvCanaryWarning)]
+    assert len(msgs) == 2 and "asked for 3 entries, capacity 2; grown to 6" in msgs[0]
+    assert "1 batch row(s) of group 'main' had out-of-range plan input" in msgs[1]
+    s = toy.mon.stats()
+    assert (s["overflows"], s["input_errors"], s["groups"]["main"]["max_requested"]) == (1, 1, 3)
+
+
+def test_warmup_discards_overflow_and_input_error_counts(xp, device):
+    toy = Toy(xp, device, verify_capacity=2, grow_on_overflow=False)
+    toy.step([1, 2], [3, 3])
+    with toy.mon.warmup():  # nothing polled inside: the warm-up data's overflow is never reported
+        toy.set_entry(2, 1, -5)  # an out-of-range row
+        toy.step([1, 2], [1, 1])  # and an overflow
+        toy.set_entry(2, 1, int(toy.table_h[2, 0]) + 1)
+    s = toy.mon.stats()
+    assert (s["overflows"], s["input_errors"], s["groups"]["main"]["max_requested"]) == (0, 0, 0)
+    assert toy.mon.write_plan.position_check[0] == 1
+    with pytest.warns(KvCanaryWarning, match=r"overflowed in 1 step\(s\)"):
+        toy.step([1], [1])
+        drain(toy.mon, xp)
+    s = toy.mon.stats()
+    assert (s["overflows"], s["input_errors"], s["groups"]["main"]["max_requested"]) == (1, 0, 4)
+
+
 def test_out_of_range_plan_input_is_reported(xp, device):
     toy = Toy(xp, device)
     toy.step([1, 2], [3, 3])

@@ -78,6 +78,10 @@ def test_wheel_installs_and_finds_kernels(tmp_path):
     # No benchmark code: the harness, its probes and the PyTorch baseline stay in the checkout's bench/.
     bench = [n for n in names if any(w in n for w in ("bench", "probes.cu", "torch_baseline", "bench_probes"))]
     assert not bench, f"the wheel carries benchmark files: {bench}"
+    # Every module of the package is in the wheel (a subpackage left out of setup.cfg would not be).
+    modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kvcanary_cupy").rglob("*.py")
+                     if "__pycache__" not in p.parts)
+    assert [m for m in modules if m not in names] == [], "modules missing from the wheel"
     cuda = sorted(n for n in names if n.endswith((".cu", ".cuh")))
     library = sorted([f"kvcanary_cupy/kernels_cu/{m.file}" for m in cuda_sources.MODULES.values()]
                      + [f"kvcanary_cupy/kernels_cu/{cuda_sources.HEADER}"])
@@ -99,7 +103,8 @@ def test_wheel_installs_and_finds_kernels(tmp_path):
             "d = c.kernels_dir(); print(d);"
             "assert 'site-packages' in str(d), d;"
             "assert all(len(c.source(f)) > 100 for f in c.MODULES);"
-            "assert 'cupy' not in sys.modules")
+            "assert 'cupy' not in sys.modules;"
+            "from kvcanary_cupy import KvCanary, SweepChain; from kvcanary_cupy import selftest, sim")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVCANARY_KERNELS_DIR")}
     out = subprocess.run([str(py), "-c", code], check=True, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert "site-packages" in out.stdout

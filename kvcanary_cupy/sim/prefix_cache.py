@@ -5,7 +5,7 @@ import itertools
 
 import numpy as np
 
-from .._sweep import SweepChain
+from ..monitor import SweepChain
 
 
 class Node:

@@ -56,11 +56,15 @@ class Step:
         self.src = kc.RealKvSource(self.pool, page_size=1, bytes_per_token=32, layer_axis=True)
 
     def reset_after_warmup(self):
-        """Forget what a warm-up run wrote (on CuPy's current stream), then poison the plans."""
+        """Forget what a warm-up run wrote (on CuPy's current stream): records, log, sampler and the
+        plans' cumulative counters (the eager twin never saw the warm-up data), then poison the plans."""
         self.canary.records.fill(0)
         self.log.clear()
         self.log.reset_counters()
         self.sampler.state.fill(0)
+        for f in ("input_errors", "overflows", "max_requested"):
+            getattr(self.vp, f).fill(0)
+        self.wp.input_errors.fill(0)
         self.poison()
 
     def poison(self):

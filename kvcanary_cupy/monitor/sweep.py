@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, runtime
-from .plans import VerifyPlan
+from .. import arrays, runtime
+from ..plans import VerifyPlan
 
 _ENTRY_FIELDS = VerifyPlan.ENTRY_FIELDS  # slot, prev, expected position, expected token
 _NUM_SCALARS = len(VerifyPlan.SCALAR_FIELDS)
@@ -92,8 +92,9 @@ class SweepPlanner:
     """Owns a small VerifyPlan and fills it, from the host, with the next slice of chains.
 
     All device memory is allocated once: the four entry arrays are rows of one
-    ``[4, budget]`` array and offsets + scalars one ``[max_chains + 5]`` array, so a
-    sweep of host chains costs two host-to-device copies.
+    ``[4, budget]`` array and the offsets and the plan's scalars (named by
+    ``VerifyPlan.SCALAR_FIELDS``) one ``[max_chains + 1 + len(SCALAR_FIELDS)]``
+    array, so a sweep of host chains costs two host-to-device copies.
     """
 
     def __init__(self, *, budget: int, max_chains: int, device: str):

@@ -1,0 +1,128 @@
+"""What the monitor does with what it finds.
+
+The violation policy (log, raise or a callable), the error and warning types an
+engine catches, the operator-facing warnings for conditions that are not
+violations (plan overflow, out-of-range plan input, writes that stamped
+nothing), each reported once, and the layout of :meth:`KvCanary.stats`.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from typing import Callable
+
+from ..format import COUNTER_NAMES
+from ..violations import Violation
+
+logger = logging.getLogger("kvcanary")
+
+_PACKAGE = __name__.rpartition(".")[0]
+
+
+class KvCanaryError(RuntimeError):
+    """Raised by :meth:`KvCanary.poll` under ``policy="raise"``; ``.violations`` holds the rows."""
+
+    def __init__(self, violations: list[Violation]):
+        self.violations = list(violations)
+        head = str(self.violations[0]) if self.violations else "no rows"
+        more = f" (and {len(self.violations) - 1} more)" if len(self.violations) > 1 else ""
+        super().__init__(f"{head}{more}")
+
+
+class KvCanaryWarning(UserWarning):
+    """Plan overflow or out-of-range plan input, reported by the monitor."""
+
+
+def check_policy(policy):
+    """``"log"``, ``"raise"`` or a callable taking the list of :class:`Violation`."""
+    if policy in ("log", "raise") or callable(policy):
+        return policy
+    raise ValueError(f"kvcanary: policy: expected 'log', 'raise' or a callable, got {policy!r}")
+
+
+def apply_policy(policy: str | Callable, found: list[Violation]) -> None:
+    """Hand a poll's violations to the policy."""
+    if policy == "log":
+        for v in found:
+            logger.error("%s", v)
+    elif policy == "raise":
+        raise KvCanaryError(found)
+    else:
+        policy(found)
+
+
+def warn(msg: str) -> None:
+    """Log ``msg`` and warn with it (a :class:`KvCanaryWarning` pointing at the engine's call)."""
+    logger.warning("%s", msg)
+    warnings.warn(msg, KvCanaryWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package, seen from :func:`warn`."""
+    level, frame = 2, sys._getframe(2)  # 2: the caller of warn()
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+class Reporter:
+    """Turns the counters a poll reads into warnings, each new event once.
+
+    The device counters are cumulative; the reporter remembers, per group, how many
+    overflows and input errors it has already reported, and how many skipped writes.
+    """
+
+    def __init__(self, groups):
+        self._groups = tuple(groups)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was reported (the device counters were zeroed too)."""
+        self._seen = {g: {"overflows": 0, "input_errors": 0} for g in self._groups}
+        self._writes_skipped = 0
+
+    def writes_skipped(self, counters) -> None:
+        """Warn about writes whose plan was never planned, from the log's counter array."""
+        skipped = int(counters[COUNTER_NAMES.index("writes_skipped")])
+        if skipped > self._writes_skipped:
+            warn(f"kvcanary: {skipped - self._writes_skipped} write(s) stamped nothing because their "
+                 "write plan was never planned (stats()['writes_skipped'])")
+            self._writes_skipped = skipped
+
+    def new_overflows(self, group: str, overflows: int) -> int:
+        """Overflows counted on the device but not reported yet."""
+        return overflows - self._seen[group]["overflows"]
+
+    def overflowed(self, group: str, overflows: int, *, max_requested: int, capacity: int, action: str) -> None:
+        """Report the overflows found by a poll (the steps were not verified) and what was done."""
+        warn(f"kvcanary: verify plan of group '{group}' overflowed in "
+             f"{self.new_overflows(group, overflows)} step(s) (largest request "
+             f"{max_requested} entries, capacity {capacity}); those steps were not verified "
+             f"(stats()['verifies_skipped']); {action}")
+        self._seen[group]["overflows"] = overflows
+
+    def repaired(self, group: str, requested: int, capacity: int, grown: int) -> None:
+        """Report an overflow repaired in the step that hit it (CPU: grown and planned again)."""
+        warn(f"kvcanary: verify plan of group '{group}' overflowed: a step asked for {requested} entries, "
+             f"capacity {capacity}; grown to {grown} and planned again")
+        self._seen[group]["overflows"] += 1
+
+    def input_errors(self, group: str, count: int) -> None:
+        """Warn about batch rows dropped for out-of-range plan input."""
+        seen = self._seen[group]["input_errors"]
+        if count > seen:
+            warn(f"kvcanary: {count - seen} batch row(s) of group '{group}' had out-of-range plan input "
+                 "(request row, lengths or a table/LUT entry); they were neither verified nor stamped")
+            self._seen[group]["input_errors"] = count
+
+
+def stats_dict(*, steps: int, aborted: int, violations: int, log, groups: dict, sweeps: int,
+               sweep_entries: int) -> dict:
+    """The dict :meth:`KvCanary.stats` returns; ``groups`` maps each group's name to its
+    ``capacity``, ``max_requested``, ``overflows`` and ``input_errors``."""
+    return {"steps": steps, "aborted_steps": aborted, "violations": violations, "logged": log.count,
+            "dropped": log.dropped,
+            "overflows": sum(p["overflows"] for p in groups.values()),
+            "input_errors": sum(p["input_errors"] for p in groups.values()),
+            **log.counters(), "sweeps": sweeps, "sweep_entries": sweep_entries, "groups": groups}

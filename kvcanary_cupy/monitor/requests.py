@@ -1,0 +1,135 @@
+"""Which request a violation row belongs to.
+
+A ring row names its launch's batch row, not a request. Every step and sweep
+gets a sequence number and, on the device, a snapshot of the log head as it
+starts (``heads[seq % history]``); the row at ring index i belongs to the newest
+sequence whose snapshot is <= i, and that sequence's request ids name its batch
+rows. Tags stay plain LaunchTags, so launches (and their cached kernel arguments)
+are the same every step. Graph replays run no Python: captured sequences map
+through the ids :meth:`RequestMap.replay` records for each replay.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from .. import runtime
+from ..violations import Violation, ViolationLog
+
+
+class RequestMap:
+    """Sequence numbers, head snapshots and request ids, for ``history`` launches back.
+
+    Example::
+
+        >>> from kvcanary_cupy import ViolationLog
+        >>> m = RequestMap(history=8, device="cpu", log=ViolationLog.allocate(capacity=4))
+        >>> m.step(None, capturing=False, request_ids=["a", "b"]), m.sweep(None, ["node"])
+        (1, 2)
+    """
+
+    def __init__(self, *, history: int, device: str, log: ViolationLog):
+        self.history = history
+        self.device = device
+        self._cpu = runtime.is_cpu(device)
+        self._log = log
+        self.heads = runtime.empty((history,), np.int64, device, fill=0)
+        self.seq = 0
+        self._min_seq = 1  # snapshots before this were invalidated by a log clear
+        self._ids: collections.OrderedDict = collections.OrderedDict()  # seq -> request id per batch row
+        self._rows_seen = 0  # ring rows poll() has returned (their ring indices are consecutive)
+        self._staged_seq = 0
+        self._captured_seqs: set = set()
+        self.replays = 0
+        self._replay_ids: collections.OrderedDict = collections.OrderedDict()
+        self._staged_replay = 0
+
+    @property
+    def captured(self) -> bool:
+        """Whether a CUDA graph captured a step of this monitor (and keeps its arrays)."""
+        return bool(self._captured_seqs)
+
+    def _next_seq(self, ptr) -> int:
+        """A new launch sequence number, with the log head it starts at recorded on the device."""
+        self.seq += 1
+        k = self.seq % self.history
+        if self._cpu:
+            self.heads[k] = self._log.head[0]
+        else:
+            with runtime.on_stream(self.device, ptr):
+                self.heads[k:k + 1] = self._log.head  # a device copy: captured graphs keep it per replay
+        return self.seq
+
+    def _remember(self, store: collections.OrderedDict, key, ids) -> None:
+        store[key] = None if ids is None else list(ids)
+        while len(store) > self.history:
+            store.popitem(last=False)
+
+    def step(self, ptr, *, capturing: bool, request_ids) -> int:
+        """Open a step's sequence (before its first launch); returns its number."""
+        seq = self._next_seq(ptr)
+        if capturing:
+            self._captured_seqs.add(seq)
+        self._remember(self._ids, seq, request_ids)
+        return seq
+
+    def sweep(self, ptr, keys) -> int:
+        """Open a sweep's sequence; its rows name the chains' ``keys``."""
+        seq = self._next_seq(ptr)
+        self._remember(self._ids, seq, keys)
+        return seq
+
+    def replay(self, request_ids) -> None:
+        """Count one replay of a captured step, whose batch rows are ``request_ids``."""
+        self.replays += 1
+        self._remember(self._replay_ids, self.replays, request_ids)
+
+    def stage(self, *, now: bool) -> tuple[int, int]:
+        """For a poll: the newest sequence and replay its rows can come from (``now``: the current
+        ones; else those of the previous poll, whose copy this poll returns), and stage the
+        current ones for the next poll."""
+        out = (self.seq, self.replays) if now else (self._staged_seq, self._staged_replay)
+        self._staged_seq, self._staged_replay = self.seq, self.replays
+        return out
+
+    def map_rows(self, found: list[Violation], heads: np.ndarray, upto_seq: int, replay_now: int) -> list:
+        """Name each row's request: find the launch that wrote it from the head snapshots.
+        The rows are the next ones of the ring after those mapped before."""
+        first = self._rows_seen
+        self._rows_seen += len(found)
+        if not found:
+            return []
+        seqs = [q for q in self._ids if (q >= self._min_seq or q in self._captured_seqs) and q <= upto_seq
+                and upto_seq - q < self.history]
+        starts = [int(heads[q % self.history]) for q in seqs]
+        out = []
+        for j, v in enumerate(found):
+            i = first + j
+            seq = None
+            for q, h in zip(reversed(seqs), reversed(starts)):  # newest first; a poll holds a step or two
+                if h <= i:
+                    seq = q
+                    break
+            ids = self._replay_ids.get(replay_now) if seq in self._captured_seqs else self._ids.get(seq)
+            req = ids[v.batch_row] if ids is not None and 0 <= v.batch_row < len(ids) else None
+            out.append(dataclasses.replace(v, request=req))
+        return out
+
+    def map_ring(self, rows: list[Violation], heads: np.ndarray) -> list:
+        """Every row of the ring, from its start, mapped; what polls have returned is unchanged."""
+        seen, self._rows_seen = self._rows_seen, 0
+        try:
+            return self.map_rows(rows, heads, self.seq, self.replays)
+        finally:
+            self._rows_seen = seen
+
+    def restart(self) -> None:
+        """The ring was cleared: older snapshots mean nothing now (queue it on the monitor's stream)."""
+        self.heads.fill(0)
+        self._rows_seen = 0
+        self._min_seq = self.seq + 1
+        self._staged_seq = self.seq
+        self.replays = 0
+        self._staged_replay = 0
