@@ -80,7 +80,10 @@ class _Call:
 def _run(cache: LaunchCache, key, keep, prepare, args, stream) -> None:
     """Run the call ``cache`` keeps under ``key``, else ``prepare(args, stream)``, kept
     (with ``keep``: every object whose id is in ``key``) when its arguments are native."""
-    call = cache.get(key)
+    try:
+        call = cache.get(key)
+    except TypeError:  # an unhashable scalar argument: validation refuses it below
+        call, cache = None, _UNCACHED
     if call is None:
         call = prepare(args, stream)
         if call.native:
@@ -96,23 +99,17 @@ def _cache_of(owner, cls) -> LaunchCache:
     return owner.launches if isinstance(owner, cls) else _UNCACHED
 
 
-def _scalar(x):
-    """A scalar argument's part of a memo key: its type and value (equal values of one
-    type hit the same entry; ``True`` does not hit an entry made for ``1``, nor ``2.0``
-    one made for ``2``), or its id when it cannot be hashed (then the op rejects it and
-    nothing is kept)."""
-    try:
-        hash(x)
-    except TypeError:
-        return id(x)
-    return (type(x), x)
-
-
 def _array(x):
     """An array argument's part of a memo key: its id, and the shape and dtype that
     validation checked. Both can be changed in place (``a.shape = ...``,
     ``a.dtype = ...`` are legal on NumPy and CuPy arrays), so an entry validated for
-    the old ones must not be found for the new ones."""
+    the old ones must not be found for the new ones.
+
+    A scalar argument's part is its value and its type, written into the key inline
+    (this runs on every call): ``True`` must not find an entry made for ``1``, nor
+    ``2.0`` one made for ``2``, though they hash and compare equal."""
+    if x is None:
+        return None
     try:
         return (id(x), x.shape, x.dtype)
     except AttributeError:  # None, or not an array (then the op rejects it)
@@ -224,9 +221,11 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
         _no_extra("plan", extra)
     objs = (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
             page_size, swa, expected)
-    key = (id(verify_plan), id(write_plan), *map(_array, objs[2:7]), _scalar(page_size),
-           id(swa), _array(getattr(swa, "lut", None)), id(expected),
-           _array(getattr(expected, "table", None)), _array(getattr(expected, "valid_lens", None)))
+    key = (id(verify_plan), id(write_plan), _array(req_pool_indices), _array(prefix_lens), _array(extend_lens),
+           _array(req_to_token), _array(block_table), page_size, type(page_size), id(swa), id(expected))
+    if swa is not None or expected is not None:  # the arrays they hold were validated too
+        key += (_array(getattr(swa, "lut", None)), _array(getattr(expected, "table", None)),
+                _array(getattr(expected, "valid_lens", None)))
     owner = verify_plan if verify_plan is not None else write_plan
     _run(_cache_of(owner, (VerifyPlan, WritePlan)), key, objs, _prepare_plan, objs, stream)
 
@@ -298,8 +297,8 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
     srcs = tuple(real_kv) if isinstance(real_kv, (tuple, list)) else (real_kv,)
     exp = tuple(expected_inputs) if isinstance(expected_inputs, (tuple, list)) else (expected_inputs,)
     objs = (canary, write_plan, input_ids, positions, out_cache_loc, log, *exp, *srcs)
-    key = (id(canary), id(write_plan), *map(_array, (input_ids, positions, out_cache_loc, *exp)), id(log),
-           *map(id, srcs), _scalar(tag), _scalar(real_kv_mode), len(exp))
+    key = (id(canary), id(write_plan), _array(input_ids), _array(positions), _array(out_cache_loc), id(log), tag,
+           type(tag), real_kv_mode, type(real_kv_mode), len(exp), *map(_array, exp), *map(id, srcs))
     _run(_cache_of(canary, CanaryBuffer), key, objs, _prepare_write, (
         canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs), stream)
 
@@ -350,7 +349,7 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
         _no_extra("verify", extra)
     objs = (canary, verify_plan, log, sample,
             *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
-    key = (*map(id, objs), _scalar(tag), _scalar(real_kv_mode), _scalar(check_tokens))
+    key = (*map(id, objs), tag, type(tag), real_kv_mode, type(real_kv_mode), check_tokens, type(check_tokens))
     _run(_cache_of(canary, CanaryBuffer), key, objs, _prepare_verify, (
         canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample), stream)
 

@@ -24,8 +24,18 @@ import os
 import numpy as np
 import pytest
 
-from kvcanary_cupy import (CanaryBuffer, ExpectedTokens, FingerprintSampler, RealKvMode, RealKvSource, SwaWindow,
-                           VerifyPlan, ViolationLog, WritePlan)
+from kvcanary_cupy import (
+    CanaryBuffer,
+    ExpectedTokens,
+    FingerprintSampler,
+    RealKvMode,
+    RealKvSource,
+    SwaWindow,
+    VerifyPlan,
+    ViolationLog,
+    WritePlan,
+    runtime,
+)
 from kvcanary_cupy import format as fmt
 from kvcanary_cupy.backends import reference
 
@@ -43,6 +53,12 @@ class Side:
     def __init__(self, backend, device: str, to_dev, to_host):
         self.backend, self.device, self.to_dev, self.to_host = backend, device, to_dev, to_host
 
+    def run(self, op: str, *args, **kwargs) -> None:
+        """The backend's ``op``, prepared and launched at once on the current stream (the fuzz
+        hands the backends raw views, as ops.py would after validating them)."""
+        stream = None if self.device == "cpu" else runtime.cupy().cuda.get_current_stream().ptr
+        getattr(self.backend, "prepare_" + op)(*args, stream=stream, **kwargs)(stream)
+
 
 def cpu_side() -> Side:
     return Side(reference, "cpu", lambda a: np.array(a, copy=True), lambda a: np.asarray(a))
@@ -50,6 +66,7 @@ def cpu_side() -> Side:
 
 def cuda_side() -> Side:
     import cupy  # noqa: PLC0415
+
     from kvcanary_cupy.backends import cuda  # noqa: PLC0415
 
     return Side(cuda, "cuda", cupy.asarray, lambda a: cupy.asnumpy(a))
@@ -427,9 +444,8 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
         d = side.to_dev
         swa = SwaWindow(c["swa"][0], d(lut)) if lut is not None else None
         et = ExpectedTokens(d(exp[0]), d(exp[1]), exp[2]) if exp is not None and st["vp"] is not None else None
-        side.backend.plan(st["vp"], st["wp"], req_pool_indices=d(rpi), prefix_lens=d(pre), extend_lens=d(ext),
-                          table=d(table), page_size=c["page"], swa=swa, expected=et,
-                          stream=None)
+        side.run("plan", st["vp"], st["wp"], req_pool_indices=d(rpi), prefix_lens=d(pre), extend_lens=d(ext),
+                          table=d(table), page_size=c["page"], swa=swa, expected=et)
     R, D = sides["ref"], sides["dev"]
     compare_plans("plan", ref, dev, R["vp"], D["vp"], R["wp"], D["wp"])
 
@@ -458,8 +474,8 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
         for st in (R, D):
             side = st["side"]
             t = side.to_dev(tab_t)
-            side.backend.scatter_expected_tokens(t, tokens=side.to_dev(toks_t), offsets=side.to_dev(offs_t),
-                                                 req_pool_indices=side.to_dev(srp_t), stream=None)
+            side.run("scatter", t, tokens=side.to_dev(toks_t), offsets=side.to_dev(offs_t),
+                                                 req_pool_indices=side.to_dev(srp_t))
             outs.append(side.to_host(t))
         _eq("scatter_expected_tokens", outs[1], outs[0])
 
@@ -514,11 +530,11 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
                 st["wp"].num_rows.fill(-1)
             srcs = st["sources"] if w_sources else ()
             d = side.to_dev
-            side.backend.write(st["canary"], st["wp"], input_ids=d(ids), positions=d(pos), out_cache_loc=d(loc),
+            side.run("write", st["canary"], st["wp"], input_ids=d(ids), positions=d(pos), out_cache_loc=d(loc),
                                log=st["log"], tag=tag, sources=srcs if mode != RealKvMode.NONE else (),
                                mode=mode if srcs else RealKvMode.NONE,
                                expected_tokens=d(exp_tok) if exp_tok is not None else None,
-                               expected_positions=d(exp_pos) if exp_pos is not None else None, stream=None)
+                               expected_positions=d(exp_pos) if exp_pos is not None else None)
         _eq("write records", dev.to_host(D["canary"].records), ref.to_host(R["canary"].records))
         logs.check("write")
 
@@ -551,9 +567,9 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
             for st in (R, D):
                 side = st["side"]
                 srcs = st["sources"] if (use_src and mode != RealKvMode.NONE) else ()
-                side.backend.verify(st["canary"], st["vp"], log=st["log"], tag=tag, sources=srcs,
+                side.run("verify", st["canary"], st["vp"], log=st["log"], tag=tag, sources=srcs,
                                     mode=mode if srcs else RealKvMode.NONE, check_tokens=check_tokens,
-                                    sample=st["sample"], stream=None)
+                                    sample=st["sample"])
             logs.check(f"verify#{rep}")
             if R["sample"] is not None:
                 _eq("sampler state", dev.to_host(D["sample"].state), ref.to_host(R["sample"].state))
