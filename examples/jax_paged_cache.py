@@ -27,9 +27,6 @@ def print_violations(found) -> None:
         seen[str(v)] = seen.get(str(v), 0) + 1
     for line, n in seen.items():
         print("caught:", line + (f"  [reported by {n} steps]" if n > 1 else ""))
-    if any(v.expected_token == -1 for v in found):
-        print("  (expected token -1: not checked; this loop gives the canary no expected token ids, "
-              "the chain link and the K/V fingerprint cover the tokens)")
 
 
 def run(device: str, steps: int = 8, inject_at: int = 4) -> int:

@@ -3,7 +3,6 @@ tables hold no verdict on GPU targets and no negative figure."""
 from __future__ import annotations
 
 import copy
-import os
 import re
 import subprocess
 import sys
@@ -11,31 +10,7 @@ import sys
 import pytest
 
 from bench import main, report
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# Stand-in ``cupy`` packages (on PYTHONPATH): installed without a device, and not installed.
-NO_DEVICE = """
-__version__ = "14.0.0"
-class CUDARuntimeError(RuntimeError):
-    pass
-class _Runtime:
-    @staticmethod
-    def getDeviceCount():
-        raise CUDARuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
-class cuda:
-    runtime = _Runtime
-"""
-NOT_INSTALLED = "raise ModuleNotFoundError(\"No module named 'cupy'\", name='cupy')\n"
-
-
-def fake_cupy_env(tmp_path, source):
-    pkg = tmp_path / "fake" / "cupy"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(source)
-    path = os.pathsep.join([str(tmp_path / "fake"), ROOT, os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path}
-
+from tests.fake_cupy import NO_DEVICE, NOT_INSTALLED, fake_cupy_env
 
 NEGATIVE = re.compile(r"(?<![\w.\-])-\d")  # a minus sign starting a figure
 

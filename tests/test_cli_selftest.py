@@ -6,7 +6,6 @@ A stand-in ``cupy`` package on PYTHONPATH plays "CuPy installed, no CUDA device"
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -14,29 +13,7 @@ import sys
 import pytest
 
 from kvcanary_cupy import selftest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-NO_DEVICE = '''
-__version__ = "14.0.0"
-class CUDARuntimeError(RuntimeError):
-    pass
-class _Runtime:
-    @staticmethod
-    def getDeviceCount():
-        raise CUDARuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
-class cuda:
-    runtime = _Runtime
-'''
-NOT_INSTALLED = "raise ModuleNotFoundError(\"No module named 'cupy'\", name='cupy')\n"
-
-
-def fake_cupy_env(tmp_path, source):
-    pkg = tmp_path / "fake" / "cupy"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(source)
-    path = os.pathsep.join([str(tmp_path / "fake"), ROOT, os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path}
+from tests.fake_cupy import NO_DEVICE, NOT_INSTALLED, ROOT, fake_cupy_env
 
 
 def selftest_cli(env, *args):
