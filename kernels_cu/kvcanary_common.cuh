@@ -36,6 +36,7 @@ inline constexpr i64 FAIL_WRITE_POSITION = 16;
 inline constexpr i64 FAIL_TOKEN = 32;
 inline constexpr i64 FAIL_SLOT_OUT_OF_RANGE = 64;
 inline constexpr i64 FAIL_INPUT_OUT_OF_RANGE = 128;
+inline constexpr i64 FAIL_RANK_DIVERGENCE = 256;
 
 // --- violation ring layout --------------------------------------------------
 inline constexpr i64 VIOLATION_WORDS = 10;  // append_violation writes the columns in format.py's order

@@ -3,24 +3,29 @@
 A 32-byte canary record per KV slot; ``write`` stamps the records of the tokens a
 step writes, ``verify`` checks every record a step reads against the engine's own
 tables, and violations land in a device-side ring read without stalling.
+Records travel with KV that moves (``export_records`` / ``import_records``), and
+tensor-parallel ranks agree every step (``KvCanary(process_group=...)``,
+:mod:`kvcanary_cupy.distributed`, over torch.distributed).
 
 ``import kvcanary_cupy`` imports neither CuPy, PyTorch nor JAX.
 """
 from .arrays import as_view
 from .canary import CanaryBuffer, RealKvSource
+from .digest import Digest, DigestRow, RankCompare
 from .format import (ANCHOR, ANCHOR_HASH, FailReason, LaunchTag, RealKvMode, chain_links, make_records,
                      mix3, next_link, splitmix64)
 from .ops import plan, scatter_expected_tokens, verify, write
 from .plans import ExpectedTokens, FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
+from .transfer import export_records, import_records
 from .violations import Violation, ViolationLog
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ANCHOR", "ANCHOR_HASH", "CanaryBuffer", "ExpectedTokens", "FailReason", "FingerprintSampler", "LaunchTag",
-    "RealKvMode", "RealKvSource", "SwaWindow", "VerifyPlan", "Violation", "ViolationLog", "WritePlan",
-    "as_view", "chain_links", "make_records", "mix3", "next_link", "plan", "scatter_expected_tokens",
-    "splitmix64", "verify", "write",
+    "ANCHOR", "ANCHOR_HASH", "CanaryBuffer", "Digest", "DigestRow", "ExpectedTokens", "FailReason",
+    "FingerprintSampler", "LaunchTag", "RankCompare", "RealKvMode", "RealKvSource", "SwaWindow", "VerifyPlan",
+    "Violation", "ViolationLog", "WritePlan", "as_view", "chain_links", "export_records", "import_records",
+    "make_records", "mix3", "next_link", "plan", "scatter_expected_tokens", "splitmix64", "verify", "write",
 ]
 
 

@@ -55,6 +55,33 @@ COL_FAIL_BITS = 7
 COL_BATCH_ROW = 8
 COL_EXPECTED_POSITION = 9
 
+# A RANK_DIVERGENCE row (tag TP_AGREE) names ranks, not a slot: slot and batch_row
+# are -1 and these columns carry the agreement (Violation.rank and friends read them).
+DIVERGENCE_COLUMNS = {
+    "rank": "stored_token",  # the rank whose digest differs from the majority's
+    "reference_rank": "expected_token",  # the lowest rank holding the majority's digest
+    "agreement_step": "position",  # agreement rounds run so far, this one included: equal on every rank
+    "agreeing_ranks": "expected_position",  # ranks holding the majority's digest
+    "digest": "stored_link",  # the divergent rank's digest
+    "reference_digest": "expected_link",  # the majority's digest
+}
+
+# --- tensor-parallel agreement (kernels_cu/digest.cu) ------------------------
+# One digest row descriptor: [data address, length, count address (0: the length),
+# gate address (0: none; the row counts nothing unless the gate holds 1), element bytes
+# (4 or 8), salt].
+DIGEST_DESC_WORDS = 6
+MAX_RANKS = 1024  # ranks the compare kernel takes (its shared-memory tally)
+# The compare kernel's device state, int64 words in this order:
+AGREE_STATE_FIELDS = (
+    "group_rows",  # rows every rank's own checks logged, summed over the group (divergence rows not included)
+    "divergences",  # divergence rows appended (each once: every rank appends the same ones)
+    "agreement_steps",  # agreement rounds run
+    "agreed_head",  # this rank's log head right after the latest round's appends
+    "own_rows",  # this rank's own-check rows as the latest round gathered them
+)
+AGREE_STATE_WORDS = len(AGREE_STATE_FIELDS)
+
 # --- log counters ------------------------------------------------------------
 # The last three make work that silently does nothing visible: a verify whose plan
 # is not enabled (overflowed or never planned), a write whose plan was never
@@ -82,6 +109,7 @@ class FailReason(enum.IntFlag):
     TOKEN = 32  # the stored token differs from the expected token
     SLOT_OUT_OF_RANGE = 64  # a slot outside the canary buffer (never read)
     INPUT_OUT_OF_RANGE = 128  # write inputs shorter than the write plan needs
+    RANK_DIVERGENCE = 256  # a tensor-parallel rank planned or wrote something other than the group's majority
 
     def describe(self) -> str:
         names = [m.name.lower() for m in FailReason if m and m in self]
@@ -110,6 +138,7 @@ class LaunchTag(enum.IntEnum):
     SWEEP = 6
     VERIFY_DRAFT = 7
     WRITE_DRAFT = 8
+    TP_AGREE = 9  # the per-step agreement of tensor-parallel ranks (kvcanary_cupy.distributed)
 
 
 # --- hashes ------------------------------------------------------------------

@@ -13,7 +13,15 @@ from .format import (COUNTER_NAMES, NUM_COUNTERS, VIOLATION_COLUMNS, VIOLATION_W
 
 @dataclass(frozen=True)
 class Violation:
-    """One violation row, decoded. ``str(v)`` is one line an operator can act on."""
+    """One violation row, decoded. ``str(v)`` is one line an operator can act on.
+
+    Rows of the tensor-parallel agreement (tag ``LaunchTag.TP_AGREE``) name ranks,
+    not a slot: a RANK_DIVERGENCE row keeps the divergent rank in ``stored_token``,
+    the majority's lowest rank in ``expected_token``, the agreement round in
+    ``position``, the ranks agreeing with it in ``expected_position`` and both
+    digests in the link columns (``format.DIVERGENCE_COLUMNS``); :attr:`rank`,
+    :attr:`reference_rank` and :attr:`agreement_step` read them.
+    """
 
     tag: int
     slot: int
@@ -40,7 +48,63 @@ class Violation:
                 self.stored_link, self.expected_link, int(self.reasons), self.batch_row,
                 self.expected_position)
 
+    # --- tensor-parallel agreement rows (tag TP_AGREE; format.DIVERGENCE_COLUMNS) ----
+    @property
+    def rank(self) -> int | None:
+        """The rank a RANK_DIVERGENCE row names (its plan differs from the majority's), read
+        from column ``stored_token``; None for every other row."""
+        return self.stored_token if FailReason.RANK_DIVERGENCE in self.reasons else None
+
+    @property
+    def reference_rank(self) -> int | None:
+        """The lowest rank holding the majority's digest (column ``expected_token``) of a
+        RANK_DIVERGENCE row; None for every other row."""
+        return self.expected_token if FailReason.RANK_DIVERGENCE in self.reasons else None
+
+    @property
+    def agreement_step(self) -> int | None:
+        """The agreement round a TP_AGREE row belongs to (column ``position``; the same on
+        every rank of the group); None for every other row."""
+        return self.position if self.tag == LaunchTag.TP_AGREE else None
+
+    @property
+    def other_ranks_rows(self) -> int | None:
+        """For the group notice a rank's poll returns when other ranks of its process group
+        logged violations and it logged none (tag TP_AGREE, no reason bits): how many rows
+        they logged (column ``stored_token``); None for every other row."""
+        return self.stored_token if self.tag == LaunchTag.TP_AGREE and not self.reasons else None
+
+    @classmethod
+    def group_notice(cls, *, other_rows: int, unheld_divergences: int, agreement_step: int) -> "Violation":
+        """The row a poll returns on a rank that logged nothing while its group did (see
+        :attr:`other_ranks_rows`); never stored in a ring."""
+        return cls(tag=int(LaunchTag.TP_AGREE), slot=-1, position=agreement_step, stored_token=other_rows,
+                   expected_token=unheld_divergences, stored_link=0, expected_link=0, reasons=FailReason.NONE,
+                   batch_row=-1, expected_position=-1)
+
+    def _agreement_str(self) -> str | None:
+        if self.tag != LaunchTag.TP_AGREE:
+            return None
+        head = f"kvcanary violation [{self.reasons.describe() if self.reasons else 'group'}] in tp_agree, " \
+               f"agreement step {self.position}: "
+        if FailReason.RANK_DIVERGENCE in self.reasons:
+            ref = self.expected_token
+            return (head + f"rank {self.stored_token}'s plan differs from rank {ref}'s (digest "
+                    f"{self.stored_link & 0xFFFFFFFFFFFFFFFF:#018x}, rank {ref}'s "
+                    f"{self.expected_link & 0xFFFFFFFFFFFFFFFF:#018x}; {self.expected_position} rank(s) hold "
+                    f"rank {ref}'s)")
+        if not self.reasons:
+            text = (f"other ranks of the process group logged {self.stored_token} violation row(s) since the "
+                    "previous poll and this rank logged none (read those ranks' logs)")
+            if self.expected_token > 0:
+                text += f"; {self.expected_token} rank-divergence row(s) did not fit this rank's ring"
+            return head + text
+        return None
+
     def __str__(self) -> str:
+        agreement = self._agreement_str()
+        if agreement is not None:
+            return agreement
         try:
             launch = LaunchTag(self.tag).name.lower()
         except ValueError:

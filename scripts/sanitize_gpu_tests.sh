@@ -20,7 +20,9 @@ export KVCANARY_EXAMPLES_SCALE=${SANITIZER_EXAMPLES_SCALE:-0.1}
 # plain runs, CPU and GPU, the objects are freed and the tests pass.
 skip=(--deselect "tests/test_ops_memo.py::test_calls_go_with_their_canary[cupy]"
       --deselect "tests/test_ops_memo.py::test_memo_is_bounded_and_lets_the_oldest_arguments_go[cupy]"
-      --deselect tests/gpu/test_pool_lifetime.py --deselect tests/gpu/test_monitor_pool_lifetime.py)
+      --deselect tests/gpu/test_pool_lifetime.py --deselect tests/gpu/test_monitor_pool_lifetime.py
+      # Two processes on two GPUs (NCCL): each process's kernels are those the files above check.
+      --deselect tests/gpu/test_distributed_gpu.py --deselect "tests/test_examples.py::test_tp_agreement_two_gpus")
 bad=0
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py tests/test_*.py)

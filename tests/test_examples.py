@@ -77,3 +77,37 @@ def test_jax_paged_cache_cuda():
     out = run_example("jax_paged_cache.py", "--device", "cuda", env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     assert "fault caught" in out
     check_violation_lines(out)
+
+
+def run_torchrun(name, *args, nproc=2):
+    """An example under torchrun (``--standalone``: a free rendezvous port on this host)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(ROOT, "examples", name), *args]
+    env = {**ENV, "NCCL_NVLS_ENABLE": "0"}
+    if sys.platform == "linux":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the hostname resolves to
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def check_tp_agreement(out):
+    assert "both ranks reported rank 1 in the same step" in out, out
+    for rank in (0, 1):
+        assert f"[rank {rank}] caught:" in out and "rank 1's plan differs from rank 0's" in out, out
+
+
+def test_tp_agreement_cpu():
+    torch = pytest.importorskip("torch")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    check_tp_agreement(run_torchrun("tp_agreement.py", "--device", "cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_tp_agreement_two_gpus(graph):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available():
+        pytest.skip("needs 2 CUDA devices and NCCL")
+    check_tp_agreement(run_torchrun("tp_agreement.py", *(["--graph"] if graph else [])))

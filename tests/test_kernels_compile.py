@@ -158,6 +158,8 @@ def _struct_fields(file: str, struct: str) -> tuple:
     ("write.cu", "WriteArgs", cuda_backend.WRITE_FIELDS),
     ("verify.cu", "VerifyArgs", cuda_backend.VERIFY_FIELDS),
     ("scatter.cu", "ScatterArgs", cuda_backend.SCATTER_FIELDS),
+    ("digest.cu", "DigestArgs", cuda_backend.DIGEST_FIELDS),
+    ("digest.cu", "AgreeArgs", cuda_backend.AGREE_FIELDS),
 ])
 def test_argument_structs_match_backend(file, struct, fields):
     """The backend packs each struct as 8-byte words in declaration order."""
@@ -175,3 +177,16 @@ def test_plan_launch_state_size_matches_backend():
     text = (cuda_sources.kernels_dir() / "plan.cu").read_text()
     (words,) = re.findall(r"^inline constexpr int SYNC_WORDS = (\d+);", text, re.M)
     assert int(words) == cuda_backend.PLAN_SYNC_WORDS
+
+
+def test_digest_constants_match_format():
+    """digest.cu's own constants (the descriptor row, the rank limit, the agreement state's
+    word order) equal their twins in format.py."""
+    text = (cuda_sources.kernels_dir() / "digest.cu").read_text()
+    consts = {n: int(v) for n, v in re.findall(r"\b(\w+) = (\d+)[,;]", text)}
+    assert consts["DIGEST_DESC_WORDS"] == fmt.DIGEST_DESC_WORDS
+    assert consts["MAX_RANKS"] == fmt.MAX_RANKS
+    for i, field in enumerate(fmt.AGREE_STATE_FIELDS):
+        assert consts[f"ST_{field.upper()}"] == i, field
+    assert len([n for n in consts if n.startswith("ST_")]) == fmt.AGREE_STATE_WORDS
+    assert cuda_backend.DIGEST_STATE_WORDS == 2 and "u64* state;  // [2]" in text

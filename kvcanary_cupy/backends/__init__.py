@@ -34,6 +34,17 @@ class Backend(Protocol):
 
     def prepare_scatter(self, table, *, tokens, offsets, req_pool_indices, stream: int | None) -> Launch: ...
 
+    def prepare_digest(self, rows, *, out, carry, stream: int | None) -> Launch:
+        """``rows``: ``(array, count, gate, salt)`` per row (count and gate: int64 ``[1]`` views or
+        None); ``out``: int64 ``[1 + len(carry)]``; ``carry``: int64 view or None. See
+        :class:`kvcanary_cupy.digest.Digest`. The launch owns whatever device state it needs."""
+        ...
+
+    def prepare_agree(self, gathered, *, rank: int, state, log, tag: int, stream: int | None) -> Launch:
+        """``gathered``: int64 ``[world, words]``; ``state``: int64 ``[AGREE_STATE_WORDS]``. See
+        :class:`kvcanary_cupy.digest.RankCompare`."""
+        ...
+
 
 def backend_for(device: str) -> Backend:
     """The backend of a device string: the NumPy reference on ``"cpu"``, CUDA otherwise

@@ -57,6 +57,9 @@ VERIFY_FIELDS = (
     "tag", "check_tokens", "folds", "num_folds", "sample_state", "period",
 )
 SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths")
+DIGEST_FIELDS = ("descs", "num_descs", "out", "state", "carry", "carry_words")
+AGREE_FIELDS = ("gathered", "world", "words", "rank", "state", "ring", "head", "ring_capacity", "tag")
+DIGEST_STATE_WORDS = 2  # digest.cu: the partial sum and the finished-block ticket
 HAS_ETOK, HAS_EPOS = 1 << 5, 1 << 6  # write.cu widths bits
 
 
@@ -354,3 +357,42 @@ def prepare_scatter(table, *, tokens, offsets, req_pool_indices, stream=None) ->
              widths=widths)
     fn = rt.function("scatter", "kvc::scatter_expected_tokens", dev)
     return _Launch(SCATTER_FIELDS, fn, dev, v, max(1, min(bs, rt.sm_count(dev) * 4)))  # a block per row
+
+
+# --- tensor-parallel agreement ----------------------------------------------------
+class _OwningLaunch(_Launch):
+    """A launch that owns device memory its kernel reads (a descriptor table, launch state):
+    it lives exactly as long as the launch."""
+
+    __slots__ = ("owned",)
+
+
+def prepare_digest(rows, *, out, carry, stream=None) -> _Launch:
+    """See :class:`kvcanary_cupy.digest.Digest`; views already validated. Uploads the row
+    descriptors and zeroes the launch state on ``stream``: prepare before a graph capture."""
+    rt = _runtime()
+    stream = _stream(stream)
+    dev = _dev(out)
+    descs = None
+    if rows:
+        host = np.array([(_ptr(data), data.shape[0], _ptr(count) if count is not None else 0,
+                          _ptr(gate) if gate is not None else 0, data.itemsize, _i64(salt))
+                         for data, count, gate, salt in rows], dtype=np.int64).reshape(-1, fmt.DIGEST_DESC_WORDS)
+        descs = rt.upload_i64(host, dev, stream)
+    state = rt.empty_i64(DIGEST_STATE_WORDS, dev)
+    rt.zero_async(_ptr(state), 8 * DIGEST_STATE_WORDS, stream)
+    fn = rt.function("digest", "kvc::digest_rows", dev)
+    v = dict(descs=_ptr(descs) if descs is not None else 0, num_descs=len(rows), out=_ptr(out), state=_ptr(state),
+             carry=_ptr(carry) if carry is not None else 0, carry_words=carry.shape[0] if carry is not None else 0)
+    elements = sum(int(r[0].shape[0]) for r in rows)
+    launch = _OwningLaunch(DIGEST_FIELDS, fn, dev, v, _blocks(max(elements, 1), rt.resident_blocks(fn, dev)))
+    launch.owned = (descs, state)
+    return launch
+
+
+def prepare_agree(gathered, *, rank, state, log, tag, stream=None) -> _Launch:
+    """See :class:`kvcanary_cupy.digest.RankCompare`; views already validated. One block."""
+    dev = _dev(gathered)
+    v = dict(gathered=_ptr(gathered), world=gathered.shape[0], words=gathered.shape[1], rank=rank, state=_ptr(state),
+             ring=_aligned16(log.ring, "log.ring"), head=_ptr(log.head), ring_capacity=log.capacity, tag=_i64(tag))
+    return _Launch(AGREE_FIELDS, _runtime().function("digest", "kvc::compare_digests", dev), dev, v, 1)

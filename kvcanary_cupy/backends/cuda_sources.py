@@ -43,6 +43,7 @@ MODULES: dict[str, KernelModule] = {
     "verify": KernelModule("verify.cu", OPTIONS,
                            ("kvc::verify_entries<false>", "kvc::verify_entries<true>")),
     "scatter": KernelModule("scatter.cu", OPTIONS, ("kvc::scatter_expected_tokens",)),
+    "digest": KernelModule("digest.cu", OPTIONS, ("kvc::digest_rows", "kvc::compare_digests")),
 }
 
 

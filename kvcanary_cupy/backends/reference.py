@@ -388,6 +388,60 @@ def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices):
     table[rp[row], col] = tokens[lo[row] + col]
 
 
+# --- tensor-parallel agreement ------------------------------------------------
+_M64 = (1 << 64) - 1
+_DIGEST_CHUNK = 1 << 18  # elements hashed per chunk, to bound temporary memory
+
+
+def _wrap_i64(x: int) -> int:
+    x &= _M64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def digest(rows, *, out, carry):
+    """The wrapping sum of ``mix3(salt, i, value)`` over every counted element of every row,
+    plus ``mix3(salt, -1, count)`` per row, into ``out[0]``; ``carry`` copied after it."""
+    total = 0
+    for data, count, gate, salt in rows:
+        n = int(data.shape[0])
+        if count is not None:
+            c = int(count[0])
+            n = 0 if c < 0 else min(c, n)
+        if gate is not None and int(gate[0]) != 1:
+            n = 0
+        s = salt & _M64
+        total += int(fmt.mix3(s, -1, n))
+        for lo in range(0, n, _DIGEST_CHUNK):
+            hi = min(n, lo + _DIGEST_CHUNK)
+            idx = np.arange(lo, hi, dtype=_I64).view(_U64)
+            total += int(fmt.mix3(s, idx, data[lo:hi].astype(_I64).view(_U64)).sum(dtype=_U64))
+    out[0] = _wrap_i64(total)
+    if carry is not None:
+        out[1:1 + carry.shape[0]] = carry
+
+
+def compare_digests(gathered, *, rank, state, log, tag):
+    """Name every rank whose digest (column 0) differs from the majority's in a RANK_DIVERGENCE
+    row; keep the group's tally from the gathered log heads (column 1). See digest.cu."""
+    world = int(gathered.shape[0])
+    d = gathered[:, 0].astype(_I64)
+    holders = (d[:, None] == d[None, :]).sum(axis=1)
+    ref = int(np.argmax(holders))  # the first maximum: the lowest rank on a tie, like the kernel
+    agreeing = int(holders[ref])
+    div_prev = int(state[1])
+    step = int(state[2]) + 1
+    bad = np.nonzero(d != d[ref])[0]
+    _append(log, [_rows(bad.shape[0], tag=tag, slot=-1, position=step, stored_token=bad, expected_token=ref,
+                        stored_link=d[bad], expected_link=d[ref], fail_bits=int(FailReason.RANK_DIVERGENCE),
+                        batch_row=-1, expected_position=agreeing)])
+    heads = sum(int(h) for h in gathered[:, 1])
+    state[0] = _wrap_i64(heads - world * div_prev)
+    state[4] = _wrap_i64(int(gathered[rank, 1]) - div_prev)
+    state[1] = div_prev + world - agreeing
+    state[2] = step
+    state[3] = int(log.head[0])
+
+
 # --- the Backend interface: a prepared launch is the call, bound --------------------
 def prepare_plan(vp, wp, *, stream=None, **inputs):
     """:func:`plan` bound to its arguments (nothing to pack on the CPU)."""
@@ -407,3 +461,13 @@ def prepare_verify(canary, vp, *, stream=None, **inputs):
 def prepare_scatter(table, *, stream=None, **inputs):
     """:func:`scatter_expected_tokens` bound to its arguments."""
     return lambda _stream: scatter_expected_tokens(table, **inputs)
+
+
+def prepare_digest(rows, *, out, carry, stream=None):
+    """:func:`digest` bound to its arguments."""
+    return lambda _stream: digest(rows, out=out, carry=carry)
+
+
+def prepare_agree(gathered, *, rank, state, log, tag, stream=None):
+    """:func:`compare_digests` bound to its arguments."""
+    return lambda _stream: compare_digests(gathered, rank=rank, state=state, log=log, tag=tag)

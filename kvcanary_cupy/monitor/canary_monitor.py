@@ -6,7 +6,9 @@ imports, the stream), :mod:`.requests` (which request a violation row belongs
 to), :mod:`.swa` (SWA slot translation), :mod:`.lifetime` (keeping arrays alive
 for queued work), :mod:`.policy` (violations, warnings, stats) and :mod:`.sweep`
 (idle cached chains). :class:`KvCanary` runs the ops around the forward and
-hands the rest to them.
+hands the rest to them. Given a ``process_group``, each step ends with the
+tensor-parallel agreement of :mod:`kvcanary_cupy.distributed`, and records move
+with their KV through :mod:`kvcanary_cupy.transfer`.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import arrays, ops, runtime, scalars
+from .. import arrays, ops, runtime, scalars, transfer
 from ..canary import CanaryBuffer, RealKvSource
 from ..format import LaunchTag, RealKvMode
 from ..plans import ExpectedTokens, SwaWindow, VerifyPlan, WritePlan, check_token_offset
@@ -83,6 +85,14 @@ class KvCanary:
         sweep_budget: records one :meth:`sweep` call verifies at most.
         sweep_max_chains: chains (pieces) one sweep call covers at most.
         history: steps whose request ids are kept for mapping late violation rows.
+        process_group: a ``torch.distributed`` process group of tensor-parallel ranks
+            (NCCL on CUDA, gloo on the CPU; default None: no agreement). Every
+            :meth:`after_forward` then ends with the ranks agreeing on what they
+            planned and wrote (one small collective on the step's stream, see
+            :mod:`kvcanary_cupy.distributed`): a rank that differs is named in a
+            RANK_DIVERGENCE row on every rank, and :meth:`poll` fires on every rank
+            in the same poll when any rank found violations. Every rank must run the
+            same steps with the same configuration.
 
     Verify capacity: a step's verify entries are the prefix positions its active
     rows read, so they never exceed ``max_batch * per_row`` with ``per_row`` the
@@ -119,7 +129,7 @@ class KvCanary:
                  grow_on_overflow: bool = True, verify_after: bool = False,
                  fingerprint_sample_period: int | None = None, ring_capacity: int = 4096,
                  policy: str | Callable = "log", max_tokens: int | None = None, sweep_budget: int = 1024,
-                 sweep_max_chains: int = 64, history: int = 256):
+                 sweep_max_chains: int = 64, history: int = 256, process_group=None):
         self.policy = check_policy(policy)
         kind, _ = runtime.parse_device(device)
         self.device = "cpu" if kind == "cpu" else runtime.device_of(runtime.empty((1,), np.int64, device))
@@ -177,9 +187,16 @@ class KvCanary:
         self._sweep = SweepPlanner(budget=sweep_budget, max_chains=sweep_max_chains, device=self.device)
         self._requests = RequestMap(history=history, device=self.device, log=self.log)
         self._reporter = Reporter(g.name for g in self.groups)
-        # One pinned copy per poll: every group's scalars, the head snapshots, the log's counters.
+        self._agreement = None
+        if process_group is not None:
+            from ..distributed import Agreement  # noqa: PLC0415  (imports PyTorch)
+
+            self._agreement = Agreement(process_group, device=self.device, log=self.log, keepalive=self._keepalive)
+        # One pinned copy per poll: every group's scalars, the head snapshots, the log's counters
+        # (and the agreement's state).
         self._reader = runtime.HostReader(self.device, [g.sc for g in self.groups]
-                                          + [self._requests.heads, self.log.counter_array])
+                                          + [self._requests.heads, self.log.counter_array]
+                                          + ([self._agreement.state] if self._agreement is not None else []))
 
         # --- counts -------------------------------------------------------------
         self._sweeps = 0
@@ -351,6 +368,8 @@ class KvCanary:
             for g in self.groups:
                 g.reset_counters()
             self._requests.restart()
+        if self._agreement is not None:
+            self._agreement.reset(ptr)
         self._reporter.reset()
         self.set_position_check(True, stream)
         runtime.synchronize(self.device, ptr)
@@ -517,6 +536,8 @@ class KvCanary:
             for g in self.groups:
                 ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_after, real_kv=g.sources,
                            real_kv_mode=g.mode, check_tokens=checked_tokens, sample=g.sampler, stream=ptr)
+        if self._agreement is not None:
+            self._agreement.after_step(self.groups, input_ids=ids, positions=pos, locs=locs, ptr=ptr)
 
     def _swa_loc(self, loc, given, ptr):
         """The SWA-pool slots of the step's tokens: given (or bound), else ``loc`` through the LUT."""
@@ -569,9 +590,7 @@ class KvCanary:
             >>> sorted({v.request for v in mon.poll()})  # slots 3, 4 were never stamped
             ['node']
         """
-        g = {"main": self.main, "swa": self.swa}.get(group)
-        if g is None:
-            raise ValueError(f"kvcanary: group: expected 'main'{' or swa' if self.swa else ''}, got {group!r}")
+        g = self._group(group)
         chains = [SweepChain.coerce(c, i) for i, c in enumerate(chains)]
         ptr = self._inputs.stream(stream, [c.slots for c in chains])
         self._keepalive.hold(chains)
@@ -585,6 +604,77 @@ class KvCanary:
         self._sweep_entries += n
         return n
 
+    # ------------------------------------------------------------------ transfer
+    def _group(self, group: str):
+        g = {"main": self.main, "swa": self.swa}.get(group)
+        if g is None:
+            names = "'main' or 'swa'" if self.swa else "'main'"
+            raise ValueError(f"kvcanary: group: expected {names}, got {group!r}")
+        return g
+
+    def export_slots(self, slots, *, group: str = "main", stream=None):
+        """The records of ``slots``, to travel with their KV (offload, disaggregation, another rank).
+
+        A copy, int64 ``[n, 4]`` on the monitor's device (NumPy on ``"cpu"``, CuPy on
+        CUDA), gathered on the monitor's stream without a host sync. A record's link is
+        derived from its predecessor's record alone (token, position, link), never from
+        a slot id, so records moved with their KV into other slots still chain: see
+        :meth:`import_slots` and :func:`kvcanary_cupy.export_records`.
+
+        Args:
+            slots: host integers ``[n]`` (a NumPy array, a list, a CPU tensor), each in
+                ``[1, num_slots)`` of the group's pool.
+            group: ``"main"`` or ``"swa"`` (slots then are SWA-pool slots).
+            stream: CUDA stream, as for :meth:`before_forward`.
+
+        Example::
+
+            >>> import numpy as np, kvcanary_cupy as kc
+            >>> r2t = np.arange(64, dtype=np.int32).reshape(4, 16)
+            >>> mon = kc.KvCanary(num_slots=64, req_to_token=r2t, max_batch=1)
+            >>> mon.before_forward(np.array([1]), np.array([0]), np.array([2]))
+            >>> mon.after_forward(np.array([7, 8]), np.array([0, 1]), np.array([16, 17]))
+            >>> mon.export_slots([16, 17])[:, :2].tolist()
+            [[7, 0], [8, 1]]
+        """
+        g = self._group(group)
+        return transfer.export_records(g.canary, slots, stream=self._inputs.stream(stream))
+
+    def import_slots(self, slots, records, *, group: str = "main", stream=None) -> None:
+        """Write records that travelled with their KV into ``slots`` (any slots: where the KV landed).
+
+        Stream-ordered with the monitor's ops, no host sync. The next verify that reads
+        those slots checks the chain and positions against this monitor's own slot
+        table and the fingerprints against the KV bytes that arrived: a byte corrupted
+        in transit is a REAL_KV violation, KV landing in the wrong slots a CHAIN /
+        POSITION one.
+
+        Args:
+            slots: host integers ``[n]``, each in ``[1, num_slots)``, none twice.
+            records: int64 ``[n, 4]`` on the monitor's device (from :meth:`export_slots`
+                on the sender, moved by any means), zero copy from any framework.
+            group: ``"main"`` or ``"swa"``.
+            stream: CUDA stream, as for :meth:`before_forward`.
+
+        Example::
+
+            >>> import numpy as np, kvcanary_cupy as kc
+            >>> r2t = np.arange(64, dtype=np.int32).reshape(4, 16)
+            >>> a = kc.KvCanary(num_slots=64, req_to_token=r2t, max_batch=1, policy="raise")
+            >>> a.before_forward(np.array([1]), np.array([0]), np.array([2]))
+            >>> a.after_forward(np.array([7, 8]), np.array([0, 1]), np.array([16, 17]))
+            >>> b = kc.KvCanary(num_slots=64, req_to_token=r2t, max_batch=1, policy="raise")
+            >>> b.import_slots([32, 33], a.export_slots([16, 17]))  # row 2 of b's table holds them
+            >>> b.before_forward(np.array([2]), np.array([2]), np.array([1]))
+            >>> b.after_forward(np.array([9]), np.array([2]), np.array([34]))
+            >>> b.poll()
+            []
+        """
+        g = self._group(group)
+        ptr = self._inputs.stream(stream, (records,))
+        transfer.import_records(g.canary, slots, records, stream=ptr)
+        self._keepalive.hold(records)  # the scatter may run after this call returns
+
     # ------------------------------------------------------------------ results
     def poll(self, stream=None) -> list[Violation]:
         """The violations found since the previous poll, mapped to request ids, after the policy ran.
@@ -594,6 +684,13 @@ class KvCanary:
         Plan overflows and out-of-range plan inputs found in the same copy are
         reported as :class:`KvCanaryWarning` s (and grow the plan, see the class
         docstring). Under ``policy="raise"`` a non-empty result raises instead.
+
+        With a ``process_group`` the decision is the group's, the same on every rank:
+        rows this rank logged up to the latest step's agreement are returned (later
+        rows, e.g. a sweep's, wait for the next agreement), RANK_DIVERGENCE rows come
+        on every rank alike, and when other ranks logged rows and this one none, a
+        group notice (``Violation.other_ranks_rows``) is returned in their place, so
+        the policy fires on every rank in the same poll.
 
         Example::
 
@@ -615,8 +712,11 @@ class KvCanary:
         self._keepalive.polled()
         out = []
         if scal is not None:
-            self._report(scal[:-2], scal[-1], ptr)
-            out = self._requests.map_rows(found, scal[-2], upto_seq, replay_now)
+            n = len(self.groups)
+            self._report(scal[:n], scal[n + 1], ptr)
+            out = self._requests.map_rows(found, scal[n], upto_seq, replay_now)
+            if self._agreement is not None:
+                out = self._agreement.release(out, scal[n + 2])
         self._violations += len(out)
         if out:
             apply_policy(self.policy, out)
@@ -661,7 +761,11 @@ class KvCanary:
         ``input_errors`` (all groups), the log's counters (``kernel_runs``,
         ``slots_checked``, ``slots_written``, ``verifies_skipped``,
         ``writes_skipped``, ``tokens_skipped``: see
-        :meth:`ViolationLog.counters`), ``sweeps``, ``sweep_entries`` and
+        :meth:`ViolationLog.counters`), ``sweeps``, ``sweep_entries``, the
+        tensor-parallel agreement's ``group_violations`` (rows the whole process
+        group logged: every rank's checks' plus each divergence row once, as of
+        the latest agreement), ``divergences`` (ranks found differing, summed over
+        steps) and ``agreement_steps`` (all 0 without a ``process_group``), and
         per group ``groups[name]`` with ``capacity``, ``max_requested``,
         ``overflows``, ``input_errors``.
 
@@ -677,12 +781,14 @@ class KvCanary:
             (1, 3, 32)
         """
         per = {}
-        for g, sc in zip(self.groups, self._reader.read_now()):
+        now = self._reader.read_now()
+        for g, sc in zip(self.groups, now):
             c = g.counts(sc)
             per[g.name] = {"capacity": g.vp.capacity, "max_requested": c["max_requested"],
                            "overflows": c["overflows"], "input_errors": c["input_errors"]}
+        agreement = None if self._agreement is None else self._agreement.stats(now[len(self.groups) + 2])
         return stats_dict(steps=self._steps, aborted=self._aborted, violations=self._violations, log=self.log,
-                          groups=per, sweeps=self._sweeps, sweep_entries=self._sweep_entries)
+                          groups=per, sweeps=self._sweeps, sweep_entries=self._sweep_entries, agreement=agreement)
 
     # ------------------------------------------------------------------ expected tokens
     def record_tokens(self, req_pool_indices, tokens, offsets, stream=None) -> None:

@@ -117,12 +117,18 @@ class Reporter:
             self._seen[group]["input_errors"] = count
 
 
+AGREEMENT_STATS = ("group_violations", "divergences", "agreement_steps")
+
+
 def stats_dict(*, steps: int, aborted: int, violations: int, log, groups: dict, sweeps: int,
-               sweep_entries: int) -> dict:
+               sweep_entries: int, agreement: dict | None = None) -> dict:
     """The dict :meth:`KvCanary.stats` returns; ``groups`` maps each group's name to its
-    ``capacity``, ``max_requested``, ``overflows`` and ``input_errors``."""
+    ``capacity``, ``max_requested``, ``overflows`` and ``input_errors``; ``agreement`` holds
+    the tensor-parallel counters (None: no process group, all 0)."""
+    agreement = agreement if agreement is not None else dict.fromkeys(AGREEMENT_STATS, 0)
     return {"steps": steps, "aborted_steps": aborted, "violations": violations, "logged": log.count,
             "dropped": log.dropped,
             "overflows": sum(p["overflows"] for p in groups.values()),
             "input_errors": sum(p["input_errors"] for p in groups.values()),
-            **log.counters(), "sweeps": sweeps, "sweep_entries": sweep_entries, "groups": groups}
+            **log.counters(), "sweeps": sweeps, "sweep_entries": sweep_entries,
+            **{k: agreement[k] for k in AGREEMENT_STATS}, "groups": groups}
