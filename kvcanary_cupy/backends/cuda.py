@@ -385,7 +385,9 @@ def prepare_digest(rows, *, out, carry, stream=None) -> _Launch:
     v = dict(descs=_ptr(descs) if descs is not None else 0, num_descs=len(rows), out=_ptr(out), state=_ptr(state),
              carry=_ptr(carry) if carry is not None else 0, carry_words=carry.shape[0] if carry is not None else 0)
     elements = sum(int(r[0].shape[0]) for r in rows)
-    launch = _OwningLaunch(DIGEST_FIELDS, fn, dev, v, _blocks(max(elements, 1), rt.resident_blocks(fn, dev)))
+    # At most a block per SM: each block ends with two atomics on one address, and a
+    # step's few hundred thousand elements keep that many blocks busy for a microsecond.
+    launch = _OwningLaunch(DIGEST_FIELDS, fn, dev, v, _blocks(max(elements, 1), rt.sm_count(dev)))
     launch.owned = (descs, state)
     return launch
 
