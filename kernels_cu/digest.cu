@@ -61,23 +61,52 @@ __device__ __forceinline__ i64 row_count(const i64* d) {
     return n;
 }
 
-// A grid-stride pass over every row; per block one atomic add of its partial
-// sum, and the last block out publishes the total and zeroes the state for
-// the next launch (so no memset is needed between launches or graph replays).
+// Rows a launch takes at most (prepare_digest refuses more): their metadata is
+// staged in shared memory once per block.
+inline constexpr int MAX_DIGEST_ROWS = 64;
+
+// One grid-stride pass over the concatenation of all rows, so a thread's few
+// loads are independent and in flight together (a pass per row would chain a
+// global round trip per row, most of a step's digest time); a block first
+// stages every row's metadata (count and gate read once) in shared memory.
+// Per block one atomic add of its partial sum, and the last block out
+// publishes the total and zeroes the state for the next launch (so no memset
+// is needed between launches or graph replays).
 __global__ void __launch_bounds__(256) digest_rows(DigestArgs a) {
     __shared__ u64 scratch[32];
     __shared__ bool last;
-    const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
+    __shared__ i64 s_start[MAX_DIGEST_ROWS + 1];
+    __shared__ const void* s_data[MAX_DIGEST_ROWS];
+    __shared__ u64 s_salt[MAX_DIGEST_ROWS];
+    __shared__ bool s_wide[MAX_DIGEST_ROWS];
+    const int rows = (int)(a.num_descs < MAX_DIGEST_ROWS ? a.num_descs : MAX_DIGEST_ROWS);
     u64 acc = 0;
-    for (i64 k = 0; k < a.num_descs; ++k) {
-        const i64* d = a.descs + k * DIGEST_DESC_WORDS;
+    if ((int)threadIdx.x < rows) {
+        const i64* d = a.descs + (i64)threadIdx.x * DIGEST_DESC_WORDS;
         const i64 n = row_count(d);
-        const u64 salt = (u64)d[5];
-        const bool wide = d[4] == 8;
-        const void* data = (const void*)d[0];
-        if (tid == 0) acc += mix3(salt, -1, n);
-        for (i64 i = tid; i < n; i += stride) acc += mix3(salt, i, load_index(data, wide, i));
+        s_start[threadIdx.x + 1] = n;  // a count for now; the prefix sum below
+        s_data[threadIdx.x] = (const void*)d[0];
+        s_salt[threadIdx.x] = (u64)d[5];
+        s_wide[threadIdx.x] = d[4] == 8;
+        if (blockIdx.x == 0) acc += mix3((u64)d[5], -1, n);  // each row's count, once per launch
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s_start[0] = 0;
+        for (int k = 0; k < rows; ++k) s_start[k + 1] += s_start[k];
+    }
+    __syncthreads();
+    const i64 total = s_start[rows];
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += stride) {
+        int lo = 0, hi = rows - 1;  // the row holding g: the last start <= g
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_start[mid] <= g) lo = mid;
+            else hi = mid - 1;
+        }
+        const i64 i = g - s_start[lo];
+        acc += mix3(s_salt[lo], i, load_index(s_data[lo], s_wide[lo], i));
     }
     acc = warp_sum_u64(acc);
     if (lane_id() == 0) scratch[threadIdx.x >> 5] = acc;

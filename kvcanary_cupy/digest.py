@@ -30,7 +30,7 @@ import numpy as np
 
 from . import arrays, runtime, scalars
 from .backends import backend_for
-from .format import AGREE_STATE_FIELDS, AGREE_STATE_WORDS, MAX_RANKS, LaunchTag
+from .format import AGREE_STATE_FIELDS, AGREE_STATE_WORDS, MAX_DIGEST_ROWS, MAX_RANKS, LaunchTag
 from .violations import ViolationLog
 
 _INT64_MIN = -(1 << 63)
@@ -80,6 +80,8 @@ class Digest:
     def __init__(self, rows: Sequence, *, out, carry=None):
         if not isinstance(rows, (list, tuple)):
             raise TypeError(f"kvcanary: rows: expected a list of DigestRow, got {type(rows).__name__}")
+        if len(rows) > MAX_DIGEST_ROWS:
+            raise ValueError(f"kvcanary: rows: expected at most {MAX_DIGEST_ROWS} rows, got {len(rows)}")
         self.out = arrays.as_array(out, "out", dtypes=arrays.INT64, ndim=1, writable=True)
         self.device = runtime.device_of(self.out)
         self.carry = None

@@ -71,6 +71,7 @@ DIVERGENCE_COLUMNS = {
 # gate address (0: none; the row counts nothing unless the gate holds 1), element bytes
 # (4 or 8), salt].
 DIGEST_DESC_WORDS = 6
+MAX_DIGEST_ROWS = 64  # rows one digest takes (the kernel stages their metadata in shared memory)
 MAX_RANKS = 1024  # ranks the compare kernel takes (its shared-memory tally)
 # The compare kernel's device state, int64 words in this order:
 AGREE_STATE_FIELDS = (

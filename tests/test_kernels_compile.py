@@ -186,6 +186,7 @@ def test_digest_constants_match_format():
     consts = {n: int(v) for n, v in re.findall(r"\b(\w+) = (\d+)[,;]", text)}
     assert consts["DIGEST_DESC_WORDS"] == fmt.DIGEST_DESC_WORDS
     assert consts["MAX_RANKS"] == fmt.MAX_RANKS
+    assert consts["MAX_DIGEST_ROWS"] == fmt.MAX_DIGEST_ROWS
     for i, field in enumerate(fmt.AGREE_STATE_FIELDS):
         assert consts[f"ST_{field.upper()}"] == i, field
     assert len([n for n in consts if n.startswith("ST_")]) == fmt.AGREE_STATE_WORDS
