@@ -177,7 +177,8 @@ class WritePlan:
     position_check: object
     launches: LaunchCache = field(default_factory=LaunchCache, init=False, repr=False, compare=False)
 
-    FIELDS = ("offsets", "seed_slots", "num_rows", "input_errors", "position_check")
+    SCALAR_FIELDS = ("num_rows", "input_errors", "position_check")
+    FIELDS = ("offsets", "seed_slots") + SCALAR_FIELDS
 
     def __post_init__(self):
         mb = _length(self, "seed_slots", "WritePlan")

@@ -19,7 +19,7 @@ from ..plans import FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
 
 # The group's scalar array: VerifyPlan's scalars, then WritePlan's, each named (plan, field).
 VERIFY_SCALARS = VerifyPlan.SCALAR_FIELDS
-WRITE_SCALARS = ("num_rows", "input_errors", "position_check")
+WRITE_SCALARS = WritePlan.SCALAR_FIELDS
 SCALAR_LAYOUT = tuple(("verify", f) for f in VERIFY_SCALARS) + tuple(("write", f) for f in WRITE_SCALARS)
 _AT = {name: i for i, name in enumerate(SCALAR_LAYOUT)}
 # Cumulative counters, discarded with warm-up results (end_warmup).
