@@ -7,7 +7,7 @@ import numpy as np
 
 from . import arrays, runtime, scalars
 from .launch_cache import LaunchCache
-from .format import KV_CHUNK_BYTES, RECORD_WORDS
+from .format import DEFAULT_CHAIN, KV_CHUNK_BYTES, RECORD_WORDS, check_chain
 
 
 @dataclass(frozen=True, eq=False)
@@ -17,17 +17,21 @@ class CanaryBuffer:
     Attributes:
         records: int64 ``[num_slots, 4]`` (token, position, link, fingerprint),
             NumPy on ``"cpu"``, CuPy on CUDA. A new buffer is zeros.
+        chain: how links chain, ``"scan"`` (the default: an affine map mod 2**61 - 1,
+            so a row's links are a parallel prefix scan) or ``"sglang"`` (SGLang's
+            serial ``mix3`` chain, byte for byte its records). Every op follows it.
         launches: the prepared write and verify calls made with this canary
             (:class:`~kvcanary_cupy.launch_cache.LaunchCache`); they go with it.
 
     Example::
 
         >>> canary = CanaryBuffer.allocate(num_slots=1024, device="cpu")
-        >>> canary.records.shape
-        (1024, 4)
+        >>> canary.records.shape, canary.chain
+        ((1024, 4), 'scan')
     """
 
     records: object
+    chain: str = DEFAULT_CHAIN
     launches: LaunchCache = field(default_factory=LaunchCache, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -38,11 +42,13 @@ class CanaryBuffer:
         if r.shape[0] < 1:
             raise ValueError("kvcanary: records: expected at least one slot (slot 0 is reserved)")
         object.__setattr__(self, "records", r)
+        check_chain(self.chain)
 
     @classmethod
-    def allocate(cls, *, num_slots: int, device: str = "cpu") -> "CanaryBuffer":
+    def allocate(cls, *, num_slots: int, device: str = "cpu", chain: str = DEFAULT_CHAIN) -> "CanaryBuffer":
         num_slots = scalars.check_int(num_slots, "num_slots", minimum=1)
-        return cls(runtime.empty((num_slots, RECORD_WORDS), np.int64, device, fill=0))
+        check_chain(chain)
+        return cls(runtime.empty((num_slots, RECORD_WORDS), np.int64, device, fill=0), chain)
 
     @property
     def num_slots(self) -> int:

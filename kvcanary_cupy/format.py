@@ -1,4 +1,4 @@
-"""The canary record format (v1): constants, reasons, hashes, chain helpers.
+"""The canary record format: constants, reasons, hashes, the two chain kinds.
 
 This module is the Python twin of ``kernels_cu/kvcanary_common.cuh``; the test
 ``tests/test_format.py`` parses that header and keeps both sides equal.
@@ -27,6 +27,17 @@ SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
 SPLITMIX_MUL2 = 0x94D049BB133111EB
 ANCHOR = 0xC0FFEE1234567890
 ANCHOR_HASH = 0xDE7FAE23A9A1B716  # splitmix64(ANCHOR); checked by the tests
+# --- chain kinds (DESIGN §3.1) ------------------------------------------------
+# "scan" (v2, the default): next_link = SCAN_MUL * link + scan_term(token, position) mod P61,
+# an affine map, so a row's links are a parallel prefix scan. "sglang" (v1): next_link =
+# mix3(link, token, position), serial, byte for byte SGLang's records.
+CHAIN_SCAN = "scan"
+CHAIN_SGLANG = "sglang"
+CHAINS = (CHAIN_SCAN, CHAIN_SGLANG)
+DEFAULT_CHAIN = CHAIN_SCAN
+P61 = (1 << 61) - 1  # the Mersenne prime the scan chain works modulo
+SCAN_ANCHOR = 0x1E7FAE23A9A1B71C  # ANCHOR_HASH mod P61: the first link of a scan chain
+SCAN_MUL = 0x1BD238973A2B1490  # splitmix64(2) mod P61
 KV_CHUNK_BYTES = 16  # the real-KV fold consumes 16-byte chunks
 FOLD_DESC_WORDS = 4  # int64 words of one real-KV fold descriptor row the CUDA backend uploads
 
@@ -191,31 +202,93 @@ def mix3(a, b, c):
     return splitmix64(splitmix64(splitmix64(a) ^ _u64_scalar_or_array(b)) ^ _u64_scalar_or_array(c))
 
 
-def next_link(link, token, position):
-    """The link of a record's successor: ``mix3(link, token, position)``."""
-    return mix3(link, token, position)
+def check_chain(chain, name: str = "chain") -> str:
+    """``chain`` if it names a chain kind (``"scan"`` or ``"sglang"``), else a ``kvcanary:`` error."""
+    if not isinstance(chain, str) or chain not in CHAINS:
+        raise ValueError(f"kvcanary: {name}: expected one of {', '.join(map(repr, CHAINS))}, got {chain!r}")
+    return chain
 
 
-def chain_links(tokens, positions, seed_link=ANCHOR_HASH) -> np.ndarray:
-    """Links of a sequence whose first record has link ``seed_link`` (uint64 [n])."""
+_P61 = _U64(P61)
+_S61, _S32, _S29, _M32, _M29 = _U64(61), _U64(32), _U64(29), _U64(0xFFFFFFFF), _U64((1 << 29) - 1)
+
+
+def reduce61(x):
+    """x mod P61 for uint64 x < 2**64 (one fold leaves x < 2**61 + 8, the compare finishes)."""
+    x = (x & _P61) + (x >> _S61)
+    return x - np.where(x >= _P61, _P61, _U64(0))
+
+
+def mulmod61(a, b):
+    """``a * b mod P61`` for uint64 arrays with ``a, b < P61``, without 128-bit integers:
+    with ``a = a1 2^32 + a0`` and ``b = b1 2^32 + b0``, ``2^64 = 8`` and ``2^61 = 1`` mod P61."""
+    a, b = np.asarray(a, dtype=_U64), np.asarray(b, dtype=_U64)
+    a1, a0, b1, b0 = a >> _S32, a & _M32, b >> _S32, b & _M32
+    mid = a1 * b0 + a0 * b1  # < 2^62
+    hi = (a1 * b1) << _U64(3)  # a1 b1 2^64 = 8 a1 b1, < 2^61
+    mid = (mid >> _S29) + ((mid & _M29) << _S32)  # mid 2^32 = (mid >> 29) 2^61 + (mid & (2^29 - 1)) 2^32
+    return reduce61(reduce61(reduce61(a0 * b0) + hi) + reduce61(mid))
+
+
+def scan_term(token, position):
+    """``splitmix64(splitmix64(token) ^ position) mod P61``: what a record adds to the scan chain."""
+    return splitmix64(splitmix64(token) ^ _u64_scalar_or_array(position)) % _P61
+
+
+def _next_link(link, token, position, chain: str):
+    if chain == CHAIN_SGLANG:
+        return mix3(link, token, position)
+    return reduce61(mulmod61(_U64(SCAN_MUL), _u64_scalar_or_array(link) % _P61) + scan_term(token, position))
+
+
+def next_link(records, *, chain: str = DEFAULT_CHAIN):
+    """The link a record's successor must store (uint64 ``[...]``).
+
+    ``records``: int64 ``[..., 4]`` records (token, position, link, fingerprint). ``"scan"``:
+    ``(SCAN_MUL * (link mod P61) + scan_term(token, position)) mod P61``; ``"sglang"``:
+    ``mix3(link, token, position)``.
+
+    Example::
+
+        >>> import kvcanary_cupy as kc
+        >>> hex(int(kc.next_link(kc.make_records([101], [0])[0])))
+        '0x14e8c713dba50ce1'
+    """
+    r = np.asarray(records, dtype=np.int64)
+    if r.shape[-1:] != (RECORD_WORDS,):
+        raise ValueError(f"kvcanary: records: expected int64 [..., {RECORD_WORDS}], got shape {r.shape}")
+    return _next_link(r[..., FIELD_LINK].view(_U64), r[..., FIELD_TOKEN], r[..., FIELD_POSITION],
+                      check_chain(chain))
+
+
+def first_link(chain: str = DEFAULT_CHAIN) -> int:
+    """The link of a sequence's first record: ``SCAN_ANCHOR`` or ``ANCHOR_HASH``."""
+    return SCAN_ANCHOR if check_chain(chain) == CHAIN_SCAN else ANCHOR_HASH
+
+
+def chain_links(tokens, positions, seed_link=None, *, chain: str = DEFAULT_CHAIN) -> np.ndarray:
+    """Links of a sequence whose first record has link ``seed_link`` (default: the chain
+    kind's first link), as uint64 ``[n]``."""
+    chain = check_chain(chain)
     tokens = as_u64(np.asarray(tokens, dtype=np.int64))
     positions = as_u64(np.asarray(positions, dtype=np.int64))
+    seed = first_link(chain) if seed_link is None else seed_link
     out = np.empty(tokens.shape[0], dtype=np.uint64)
-    running = np.array([seed_link & 0xFFFFFFFFFFFFFFFF if isinstance(seed_link, int) else seed_link], dtype=np.uint64)
+    running = np.array([seed & 0xFFFFFFFFFFFFFFFF if isinstance(seed, int) else seed], dtype=np.uint64)
     for i in range(tokens.shape[0]):
         out[i] = running[0]
-        running = mix3(running, tokens[i : i + 1], positions[i : i + 1])
+        running = _next_link(running, tokens[i : i + 1], positions[i : i + 1], chain)
     return out
 
 
-def make_records(tokens, positions, seed_link=ANCHOR_HASH, fingerprints=None) -> np.ndarray:
+def make_records(tokens, positions, seed_link=None, fingerprints=None, *, chain: str = DEFAULT_CHAIN) -> np.ndarray:
     """Records (int64 [n, 4]) of one chained sequence, e.g. for tests and sweeps."""
     tokens = np.asarray(tokens, dtype=np.int64)
     positions = np.asarray(positions, dtype=np.int64)
     rec = np.zeros((tokens.shape[0], RECORD_WORDS), dtype=np.int64)
     rec[:, FIELD_TOKEN] = tokens
     rec[:, FIELD_POSITION] = positions
-    rec[:, FIELD_LINK] = chain_links(tokens, positions, seed_link).view(np.int64)
+    rec[:, FIELD_LINK] = chain_links(tokens, positions, seed_link, chain=chain).view(np.int64)
     if fingerprints is not None:
         rec[:, FIELD_FINGERPRINT] = as_u64(fingerprints).view(np.int64)
     return rec

@@ -1,4 +1,4 @@
-"""plan(), write(), verify(), scatter_expected_tokens(): validate, then dispatch.
+"""plan(), write(), verify(), plan_and_verify(), scatter_expected_tokens(): validate, then dispatch.
 
 Every op checks what the host can see (types, dtypes, shapes, devices, which
 arguments go together) and raises ``kvcanary:`` errors for misuse, then hands
@@ -221,16 +221,33 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
         _no_extra("plan", extra)
     objs = (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
             page_size, swa, expected)
+    key = _plan_key(objs)
+    owner = verify_plan if verify_plan is not None else write_plan
+    _run(_cache_of(owner, (VerifyPlan, WritePlan)), key, objs, _prepare_plan, objs, stream)
+
+
+def _plan_key(objs) -> tuple:
+    """The memo key of plan's arguments (see :func:`_array`)."""
+    (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table, page_size,
+     swa, expected) = objs
     key = (id(verify_plan), id(write_plan), _array(req_pool_indices), _array(prefix_lens), _array(extend_lens),
            _array(req_to_token), _array(block_table), page_size, type(page_size), id(swa), id(expected))
     if swa is not None or expected is not None:  # the arrays they hold were validated too
         key += (_array(getattr(swa, "lut", None)), _array(getattr(expected, "table", None)),
                 _array(getattr(expected, "valid_lens", None)))
-    owner = verify_plan if verify_plan is not None else write_plan
-    _run(_cache_of(owner, (VerifyPlan, WritePlan)), key, objs, _prepare_plan, objs, stream)
+    return key
 
 
 def _prepare_plan(args, stream) -> _Call:
+    verify_plan, write_plan = args[:2]
+    device, inputs, given, views = _plan_inputs(args)
+    return _Call(backend_for(device).prepare_plan, device, (verify_plan, write_plan), inputs, stream,
+                 given=given, views=views)
+
+
+def _plan_inputs(args):
+    """Validate plan's arguments: (device, the backend's keyword arguments, the caller's
+    arrays and their imported views)."""
     (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table, page_size,
      swa, expected) = args
     if verify_plan is None and write_plan is None:
@@ -265,10 +282,9 @@ def _prepare_plan(args, stream) -> _Call:
         arrays.check_array(expected.valid_lens, "expected.valid_lens", device=device, min_len=bs)
         if verify_plan is None:
             raise ValueError("kvcanary: expected: expected tokens fill verify_plan.expected_tokens; pass a verify_plan")
-    return _Call(backend_for(device).prepare_plan, device, (verify_plan, write_plan),
-                 dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table, page_size=page,
-                      swa=swa, expected=expected),
-                 stream, given=(req_pool_indices, prefix_lens, extend_lens, table_obj), views=(rpi, pre, ext, table))
+    return (device, dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table, page_size=page,
+                         swa=swa, expected=expected),
+            (req_pool_indices, prefix_lens, extend_lens, table_obj), (rpi, pre, ext, table))
 
 
 def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, out_cache_loc,
@@ -355,16 +371,86 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
 
 
 def _prepare_verify(args, stream) -> _Call:
+    canary, verify_plan = args[:2]
+    device, inputs = _verify_inputs("verify", args)
+    return _Call(backend_for(device).prepare_verify, device, (canary, verify_plan), inputs, stream)
+
+
+def _verify_inputs(op: str, args):
+    """Validate verify's arguments: (device, the backend's keyword arguments)."""
     canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample = args
     optional = {} if sample is None else {"sample": (sample, FingerprintSampler)}
     device = _canary_device(canary, verify_plan=(verify_plan, VerifyPlan), log=(log, ViolationLog), **optional)
     tag = scalars.check_tag(tag)
     check_tokens = scalars.check_flag(check_tokens, "check_tokens")
-    _outputs_apart("verify", canary, log, sample=sample)
+    _outputs_apart(op, canary, log, sample=sample)
     srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
-    return _Call(backend_for(device).prepare_verify, device, (canary, verify_plan),
-                 dict(log=log, tag=tag, sources=srcs, mode=mode, check_tokens=check_tokens,
-                      sample=sample if srcs else None), stream)
+    return device, dict(log=log, tag=tag, sources=srcs, mode=mode, check_tokens=check_tokens,
+                        sample=sample if srcs else None)
+
+
+def plan_and_verify(verify_plan: VerifyPlan, write_plan: WritePlan | None, canary: CanaryBuffer, *,
+                    req_pool_indices, prefix_lens, extend_lens, req_to_token=None, block_table=None,
+                    page_size: int | None = None, swa: SwaWindow | None = None, expected: ExpectedTokens | None = None,
+                    log: ViolationLog, tag: int, real_kv: Sequence[RealKvSource] = (),
+                    real_kv_mode: RealKvMode = RealKvMode.NONE, check_tokens: bool = False,
+                    sample: FingerprintSampler | None = None, stream=None, **extra) -> None:
+    """:func:`plan` and :func:`verify` of one step in one launch: the hot path before a forward.
+
+    Takes :func:`plan`'s arguments and :func:`verify`'s (see both) and leaves exactly
+    what ``plan(...)`` followed by ``verify(...)`` leaves: the same violation rows
+    (as a multiset) and counters, the verify plan's scalars and ``offsets``, the
+    whole write plan, the sampler's state. On CUDA the per-entry arrays
+    (``slot_indices``, ``prev_slot_indices``, ``expected_positions``,
+    ``expected_tokens``) are *not* written: the launch reads the slot table and
+    the records, and derives each entry where it checks it (call :func:`plan` for
+    the entries, e.g. to inspect them). The NumPy backend writes them.
+
+    A plan whose entries exceed ``verify_plan.capacity`` verifies nothing, counts
+    ``verifies_skipped`` and keeps the requested total, exactly like ``plan``.
+
+    Example::
+
+        >>> import numpy as np, kvcanary_cupy as kc
+        >>> canary = kc.CanaryBuffer.allocate(num_slots=32)
+        >>> vp, wp = kc.VerifyPlan.allocate(capacity=64, max_batch=2), kc.WritePlan.allocate(max_batch=2)
+        >>> log = kc.ViolationLog.allocate(capacity=8)
+        >>> table = np.arange(1, 33, dtype=np.int32).reshape(2, 16)
+        >>> canary.records[[17, 18]] = kc.make_records([5, 6], [0, 1])
+        >>> kc.plan_and_verify(vp, wp, canary, req_pool_indices=np.array([1]), prefix_lens=np.array([2]),
+        ...                    extend_lens=np.array([1]), req_to_token=table, log=log, tag=kc.LaunchTag.VERIFY)
+        >>> log.count, log.counters()["slots_checked"], int(wp.seed_slots[0])
+        (0, 2, 18)
+    """
+    if extra:
+        _no_extra("plan_and_verify", extra)
+    pobjs = (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
+             page_size, swa, expected)
+    vobjs = (canary, log, sample, *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
+    key = ("plan_and_verify", *_plan_key(pobjs), *map(id, vobjs), tag, type(tag), real_kv_mode, type(real_kv_mode),
+           check_tokens, type(check_tokens))
+    vargs = (canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample)
+    _run(_cache_of(canary, CanaryBuffer), key, (*pobjs, *vobjs), _prepare_plan_and_verify, (pobjs, vargs), stream)
+
+
+def _prepare_plan_and_verify(args, stream) -> _Call:
+    pobjs, vargs = args
+    verify_plan, write_plan = pobjs[:2]
+    canary = vargs[0]
+    if verify_plan is None:
+        raise ValueError("kvcanary: verify_plan: plan_and_verify needs a VerifyPlan (plan() alone plans writes only)")
+    device, vinputs = _verify_inputs("plan_and_verify", vargs)
+    pdevice, pinputs, given, views = _plan_inputs(pobjs)
+    if pdevice != device:
+        raise ValueError(f"kvcanary: verify_plan: expected it on {device} like the canary, got {pdevice}")
+    named = {f"verify_plan.{f}": getattr(verify_plan, f) for f in VerifyPlan.FIELDS}
+    if write_plan is not None:
+        named.update({f"write_plan.{f}": getattr(write_plan, f) for f in WritePlan.FIELDS})
+    named.update({"canary.records": canary.records, "log.ring": vinputs["log"].ring, "log.head": vinputs["log"].head,
+                  "log.counters": vinputs["log"].counter_array})
+    arrays.check_disjoint("plan_and_verify", named)
+    return _Call(backend_for(device).prepare_plan_and_verify, device, (verify_plan, write_plan, canary),
+                 {**pinputs, **vinputs}, stream, given=given, views=views)
 
 
 def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=None, **extra) -> None:

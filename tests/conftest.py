@@ -1,4 +1,4 @@
-"""Shared test fixtures: the ``gpu`` marker, the array-module parameter ``xp``."""
+"""Shared test fixtures: the ``gpu`` marker, the array-module parameter ``xp``, the chain kind."""
 from __future__ import annotations
 
 import functools
@@ -50,3 +50,14 @@ def xp(request):
 def device(xp):
     """The device string matching ``xp``."""
     return "cpu" if xp is np else "cuda"
+
+
+@pytest.fixture(params=["scan", "sglang"])
+def chain_kind(request):
+    """Runs a test once per chain kind: the oracles and canaries of ``tests.workloads``
+    follow it (a module opts in with ``pytestmark = pytest.mark.usefixtures("chain_kind")``)."""
+    from tests import workloads  # noqa: PLC0415
+
+    saved, workloads.CHAIN = workloads.CHAIN, request.param
+    yield request.param
+    workloads.CHAIN = saved

@@ -4,6 +4,7 @@ import sys
 import warnings
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -57,7 +58,8 @@ def test_minus_one_is_all_ones():
 def test_no_overflow_warnings_under_error_filter():
     code = ("import numpy as np, kvcanary_cupy as kc;"
             "kc.splitmix64(np.arange(1000, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15));"
-            "kc.mix3(2**64 - 1, -1, 2**63 - 1); kc.splitmix64(2**64 - 1); kc.chain_links([1, 2], [0, 1])")
+            "kc.mix3(2**64 - 1, -1, 2**63 - 1); kc.splitmix64(2**64 - 1); kc.chain_links([1, 2], [0, 1]); kc.chain_links([1, 2], [0, 1], chain='sglang');"
+            "kc.next_link(np.full((3, 4), -1, np.int64)); kc.scan_term(-1, -1)")
     r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     with warnings.catch_warnings():
@@ -65,16 +67,72 @@ def test_no_overflow_warnings_under_error_filter():
         kc.splitmix64(np.full(8, M64, dtype=np.uint64))
 
 
-def test_chain_links_follow_the_chain_rule():
+def test_sglang_chain_links_follow_the_chain_rule():
     tokens, positions = [11, 12, 13], [0, 1, 2]
-    links = kc.chain_links(tokens, positions)
+    links = kc.chain_links(tokens, positions, chain="sglang")
     assert int(links[0]) == kc.ANCHOR_HASH
     assert int(links[1]) == mix3_int(kc.ANCHOR_HASH, 11, 0)
     assert int(links[2]) == mix3_int(int(links[1]), 12, 1)
-    rec = kc.make_records(tokens, positions, fingerprints=[7, 8, 9])
+    rec = kc.make_records(tokens, positions, fingerprints=[7, 8, 9], chain="sglang")
     assert rec.dtype == np.int64 and rec.shape == (3, 4)
     assert rec[:, fmt.FIELD_LINK].view(np.uint64).tolist() == [int(x) for x in links]
-    assert int(kc.next_link(rec[1, 2].view(np.uint64), 12, 1)) == int(links[2])
+    assert int(kc.next_link(rec[1], chain="sglang")) == int(links[2])
+
+
+P61 = (1 << 61) - 1
+DESIGN_TOKENS = [101, 202, 303, 404, 505]
+
+
+def test_scan_constants_and_check_values():
+    assert kc.P61 == P61
+    assert kc.SCAN_ANCHOR == kc.ANCHOR_HASH % P61 == 0x1E7FAE23A9A1B71C
+    assert kc.SCAN_MUL == splitmix64_int(2) % P61 == 0x1BD238973A2B1490
+    assert int(kc.scan_term(101, 0)) == 0x0D22AFD540D59970
+    assert int(kc.scan_term(-1, -1)) == 0x16BDF7544574C9D1
+    assert kc.scan_term(np.array([101, -1]), np.array([0, -1])).tolist() == [0x0D22AFD540D59970, 0x16BDF7544574C9D1]
+
+
+@pytest.mark.parametrize("chain, links, successor", [
+    ("scan", [0x1E7FAE23A9A1B71C, 0x14E8C713DBA50CE1, 0x0A9333D9FEA2265B, 0x1F7502F4DBB7EC43, 0x181F010CDBD4805A],
+     0x1DF4FFAAB78C4A63),
+    ("sglang", [0xDE7FAE23A9A1B716, 0x542FE5061275A6AB, 0x9890D56BDE53142E, 0x5213C65EEE8A1DD1, 0xC749AFFE5A5A9634],
+     0x3A650FCC4023CD13),
+])
+def test_published_check_values_of_both_chains(chain, links, successor):
+    rec = kc.make_records(DESIGN_TOKENS, range(5), chain=chain)
+    assert rec[:, fmt.FIELD_LINK].view(np.uint64).tolist() == links
+    assert int(kc.next_link(rec[4], chain=chain)) == successor
+    assert kc.next_link(rec, chain=chain)[:4].tolist() == links[1:]
+
+
+def test_scan_successor_is_the_closed_form():
+    # SCAN_MUL^5 * SCAN_ANCHOR + sum_k scan_term(t_k, k) * SCAN_MUL^(4-k), mod P61
+    want = pow(kc.SCAN_MUL, 5, P61) * kc.SCAN_ANCHOR
+    want += sum(int(kc.scan_term(t, k)) * pow(kc.SCAN_MUL, 4 - k, P61) for k, t in enumerate(DESIGN_TOKENS))
+    rec = kc.make_records(DESIGN_TOKENS, range(5))
+    assert int(kc.next_link(rec[4])) == want % P61
+
+
+def test_scan_next_link_reads_any_uint64_link():
+    # A link written by another kind may exceed P61: it is reduced first.
+    rec = np.array([[7, 3, -1, 0]], dtype=np.int64)
+    want = (kc.SCAN_MUL * ((2**64 - 1) % P61) + int(kc.scan_term(7, 3))) % P61
+    assert int(kc.next_link(rec[0])) == want
+    rng = np.random.default_rng(0)
+    recs = rng.integers(-2**63, 2**63 - 1, size=(500, 4), dtype=np.int64)
+    got = kc.next_link(recs)
+    for r, g in zip(recs, got):
+        u = int(r[2]) & M64
+        assert int(g) == (kc.SCAN_MUL * (u % P61) + int(kc.scan_term(int(r[0]), int(r[1])))) % P61
+
+
+def test_chain_kind_is_checked():
+    with pytest.raises(ValueError, match="kvcanary: chain: expected one of 'scan', 'sglang', got 'v3'"):
+        kc.make_records([1], [0], chain="v3")
+    with pytest.raises(ValueError, match="kvcanary: chain"):
+        kc.CanaryBuffer.allocate(num_slots=4, chain="SCAN")
+    assert kc.CanaryBuffer.allocate(num_slots=4).chain == "scan"
+    assert kc.CanaryBuffer.allocate(num_slots=4, chain="sglang").chain == "sglang"
 
 
 def test_fold_and_combine():

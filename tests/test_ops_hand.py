@@ -16,11 +16,13 @@ from tests.workloads import (
     Env,
     KvPool,
     arr,
+    chain,
     chain_of,
     fingerprint_of,
     host,
     kv_sources,
-    mix,
+    nxt,
+    first_link,
     s64,
     sm64,
     vrow,
@@ -34,13 +36,14 @@ TOK1 = [7001, 7013, 7019, 7027, 7039, 7043, 7057, 7069, 7079, 7103, 7109, 7121, 
 TOK2 = [901, 907, 911, 919, 929, 937, 941, 947, 953, 967, 971, 977, 983, 991, 997, 1009]
 TOKENS = np.array([[-1] * 16, TOK1, TOK2], dtype=np.int64)
 W, V = kc.LaunchTag.WRITE, kc.LaunchTag.VERIFY
+pytestmark = pytest.mark.usefixtures("chain_kind")
 
 
 def env(xp, device, **kw):
     return Env(xp, device, table=TABLE, **kw)
 
 
-def links(tokens, start=0, seed=ANCHOR_HASH):
+def links(tokens, start=0, seed=None):
     return chain_of(tokens, range(start, start + len(tokens)), seed)
 
 
@@ -61,7 +64,7 @@ def test_scalar_oracle_matches_the_published_constants():
     assert sm64(1) == 0x5692161D100B05E5
     assert sm64(0xC0FFEE1234567890) == ANCHOR_HASH == kc.ANCHOR_HASH
     assert int(kc.splitmix64(1)) == sm64(1)
-    assert kc.make_records([3, 4], [0, 1])[:, 2].tolist() == [s64(x) for x in links([3, 4])]
+    assert kc.make_records([3, 4], [0, 1], chain=chain())[:, 2].tolist() == [s64(x) for x in links([3, 4])]
 
 
 # --- plan + write + verify: the clean paths -----------------------------------------
@@ -77,7 +80,7 @@ def test_single_prefill_then_verify(xp, device):
 
     e.write(TOK1[:5], range(5), ROW1[:5])
     recs = e.records()
-    assert (recs[ROW1[:5]] == kc.make_records(TOK1[:5], range(5))).all()
+    assert (recs[ROW1[:5]] == kc.make_records(TOK1[:5], range(5), chain=chain())).all()
     check_chain(recs, ROW1, TOK1, 5)
     untouched = np.setdiff1d(np.arange(N), ROW1[:5])
     assert (recs[untouched] == 0).all()
@@ -106,7 +109,7 @@ def test_decode_extends_the_chain(xp, device):
     e.verify()
     e.write([TOK1[5]], [5], [ROW1[5]])
     recs = e.records()
-    assert recs[ROW1[5]].tolist() == kc.make_records(TOK1[:6], range(6))[5].tolist()
+    assert recs[ROW1[5]].tolist() == kc.make_records(TOK1[:6], range(6), chain=chain())[5].tolist()
     check_chain(recs, ROW1, TOK1, 6)
     e.plan([1], [6], [0])
     e.verify()
@@ -344,7 +347,7 @@ def test_negative_out_cache_loc_is_skipped(xp, device):
     # a stored token after a skip is still checked against the last stored position
     e.plan([1], [0], [3])
     e.write([11, 99, 12], [0, 1, 2], [ROW1[0], -5, ROW1[1]])
-    lk = mix(ANCHOR_HASH, 11, 0)
+    lk = nxt(first_link(), 11, 0)
     assert e.rows() == [vrow(tag=W, slot=ROW1[1], position=2, stored_token=12, stored_link=lk, expected_link=lk,
                              bits=F.WRITE_POSITION, batch_row=0, expected_position=1)]
 
@@ -360,7 +363,8 @@ def two_requests(xp, device):
     return e
 
 
-L1 = links(TOK1[:6])
+def l1():
+    return links(TOK1[:6])
 
 
 def test_clean_two_requests(two_requests):
@@ -375,10 +379,10 @@ def test_corrupt_token(two_requests):
     e.canary.records[ROW1[2], 0] = 4242
     e.verify(check_tokens=True)
     assert e.rows() == sorted([
-        vrow(tag=V, slot=ROW1[2], position=2, stored_token=4242, expected_token=TOK1[2], stored_link=L1[2],
-             expected_link=L1[2], bits=F.TOKEN, batch_row=1, expected_position=2),
-        vrow(tag=V, slot=ROW1[3], position=3, stored_token=TOK1[3], expected_token=TOK1[3], stored_link=L1[3],
-             expected_link=mix(L1[2], 4242, 2), bits=F.CHAIN, batch_row=1, expected_position=3),
+        vrow(tag=V, slot=ROW1[2], position=2, stored_token=4242, expected_token=TOK1[2], stored_link=l1()[2],
+             expected_link=l1()[2], bits=F.TOKEN, batch_row=1, expected_position=2),
+        vrow(tag=V, slot=ROW1[3], position=3, stored_token=TOK1[3], expected_token=TOK1[3], stored_link=l1()[3],
+             expected_link=nxt(l1()[2], 4242, 2), bits=F.CHAIN, batch_row=1, expected_position=3),
     ])
     e.log.clear()
     e.verify(check_tokens=False)  # without the token check the successor's chain still catches it
@@ -399,10 +403,10 @@ def test_corrupt_position(two_requests):
     e.canary.records[ROW1[2], 1] = 99
     e.verify(check_tokens=True, tag=17)
     assert e.rows() == sorted([
-        vrow(tag=17, slot=ROW1[2], position=99, stored_token=TOK1[2], expected_token=TOK1[2], stored_link=L1[2],
-             expected_link=L1[2], bits=F.POSITION, batch_row=1, expected_position=2),
-        vrow(tag=17, slot=ROW1[3], position=3, stored_token=TOK1[3], expected_token=TOK1[3], stored_link=L1[3],
-             expected_link=mix(L1[2], TOK1[2], 99), bits=F.CHAIN, batch_row=1, expected_position=3),
+        vrow(tag=17, slot=ROW1[2], position=99, stored_token=TOK1[2], expected_token=TOK1[2], stored_link=l1()[2],
+             expected_link=l1()[2], bits=F.POSITION, batch_row=1, expected_position=2),
+        vrow(tag=17, slot=ROW1[3], position=3, stored_token=TOK1[3], expected_token=TOK1[3], stored_link=l1()[3],
+             expected_link=nxt(l1()[2], TOK1[2], 99), bits=F.CHAIN, batch_row=1, expected_position=3),
     ])
 
 
@@ -413,9 +417,9 @@ def test_corrupt_link(two_requests):
     e.verify(check_tokens=True)
     assert e.rows() == sorted([
         vrow(tag=V, slot=ROW1[2], position=2, stored_token=TOK1[2], expected_token=TOK1[2], stored_link=bad,
-             expected_link=L1[2], bits=F.CHAIN, batch_row=1, expected_position=2),
-        vrow(tag=V, slot=ROW1[3], position=3, stored_token=TOK1[3], expected_token=TOK1[3], stored_link=L1[3],
-             expected_link=mix(bad, TOK1[2], 2), bits=F.CHAIN, batch_row=1, expected_position=3),
+             expected_link=l1()[2], bits=F.CHAIN, batch_row=1, expected_position=2),
+        vrow(tag=V, slot=ROW1[3], position=3, stored_token=TOK1[3], expected_token=TOK1[3], stored_link=l1()[3],
+             expected_link=nxt(bad, TOK1[2], 2), bits=F.CHAIN, batch_row=1, expected_position=3),
     ])
 
 
@@ -425,7 +429,7 @@ def test_corrupt_first_link_checks_against_anchor(two_requests):
     e.verify()
     rows = e.rows()
     assert vrow(tag=V, slot=ROW1[0], position=0, stored_token=TOK1[0], expected_token=TOK1[0], stored_link=1,
-                expected_link=ANCHOR_HASH, bits=F.CHAIN, batch_row=1, expected_position=0) in rows
+                expected_link=first_link(), bits=F.CHAIN, batch_row=1, expected_position=0) in rows
 
 
 def test_corrupt_fingerprint_field(two_requests):
@@ -479,7 +483,7 @@ def test_write_chain_position_check(xp, device, on):
     e.plan([1], [5], [1])
     e.wp.set_position_check(on)
     e.write([TOK1[5]], [7], [ROW1[5]])  # the seed record holds position 4
-    lk = s64(mix(L1[4], TOK1[4], 4))
+    lk = s64(nxt(l1()[4], TOK1[4], 4))
     want = [vrow(tag=W, slot=ROW1[5], position=7, stored_token=TOK1[5], stored_link=lk, expected_link=lk,
                  bits=F.WRITE_POSITION, batch_row=0, expected_position=5)]
     assert e.rows() == (want if on else [])
@@ -504,7 +508,7 @@ def test_write_seed_out_of_range(xp, device, seed):
     assert e.rows() == [vrow(tag=W, slot=seed, bits=F.SLOT_OUT_OF_RANGE, batch_row=1)]
     after = e.records()
     assert after[ROW1[5]].tolist() == before[ROW1[5]].tolist()  # the row is not written
-    assert after[ROW2[0]].tolist() == [TOK2[0], 0, s64(ANCHOR_HASH), 0]  # the other row is
+    assert after[ROW2[0]].tolist() == [TOK2[0], 0, s64(first_link()), 0]  # the other row is
     assert e.log.counters()["slots_written"] == 5 + 1
 
 

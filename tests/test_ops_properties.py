@@ -8,6 +8,7 @@ same properties run against the CUDA backend where a GPU is visible.
 import os
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,18 +16,21 @@ import kvcanary_cupy as kc
 from kvcanary_cupy import FailReason as F
 from kvcanary_cupy import RealKvMode
 from tests.workloads import (
-    ANCHOR_HASH,
     Runner,
     arr,
+    chain,
     chain_of,
     fingerprint_of,
     host,
     kv_sources,
     make_kv_pools,
     make_workload,
-    mix,
+    nxt,
+    first_link,
     s64,
 )
+
+pytestmark = pytest.mark.usefixtures("chain_kind")
 
 FIXTURES = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 # KVCANARY_EXAMPLES_SCALE shrinks every example count, for runs under slow tools
@@ -287,10 +291,10 @@ def model_write(recs, offsets, seeds, num_rows, ids, pos, loc, exp_tok, exp_pos,
             rows.append((tag, sd, -1, -1, -1, 0, 0, int(F.SLOT_OUT_OF_RANGE), r, -1))
             continue
         if sd == -1:
-            running, prev = ANCHOR_HASH, None
+            running, prev = first_link(), None
         else:
             t0, p0, l0 = (int(x) for x in recs[sd, :3])
-            running, prev = mix(l0, t0, p0), p0
+            running, prev = nxt(l0, t0, p0), p0
         for i in range(a, b):
             s, t, p = int(loc[i]), int(ids[i]), int(pos[i])
             if s < 0:
@@ -315,7 +319,7 @@ def model_write(recs, offsets, seeds, num_rows, ids, pos, loc, exp_tok, exp_pos,
                 written += 1
             if bits:
                 rows.append((tag, s, p, t, etok, s64(running), s64(running), int(bits), r, epos))
-            running, prev = mix(running, t, p), p
+            running, prev = nxt(running, t, p), p
     return out, rows, written, skipped
 
 
@@ -369,7 +373,7 @@ def test_write_matches_scalar_model(xp, device, seed, check, with_exp, mode, dty
     want_recs, want_rows, want_written, want_skipped = model_write(recs, wrow, seeds_, nrows, ids, posn, loc, exp_tok, exp_pos,
                                                      check, 9, pools, mode)
 
-    canary = kc.CanaryBuffer(arr(xp, recs))
+    canary = kc.CanaryBuffer(arr(xp, recs), chain())
     log = kc.ViolationLog.allocate(capacity=256, device=device)
     wp = kc.WritePlan.allocate(max_batch=max_batch, device=device)
     wp.offsets[...] = arr(xp, wrow)
@@ -405,11 +409,11 @@ def model_verify(recs, slot, prev, epos, etok, offsets, n, check_tokens, tag, po
             continue
         t, p, lk, fp = (int(x) for x in recs[s])
         if q == -1:
-            want = ANCHOR_HASH
+            want = first_link()
         elif q == 0:
             want = lk & ((1 << 64) - 1)
         else:
-            want = mix(int(recs[q, 2]), int(recs[q, 0]), int(recs[q, 1]))
+            want = nxt(int(recs[q, 2]), int(recs[q, 0]), int(recs[q, 1]))
         bits = 0
         if lk & ((1 << 64) - 1) != want:
             bits |= F.CHAIN
@@ -474,7 +478,7 @@ def test_verify_matches_scalar_model(xp, device, seed, check_tokens, mode, sampl
     want_rows, want_checked = model_verify(recs, slot_a, prev_a, pos_a, tok_a, offsets, n, check_tokens, 3, pools,
                                            mode, phase if srcs and mode != RealKvMode.NONE else None, period)
 
-    canary = kc.CanaryBuffer(arr(xp, recs))
+    canary = kc.CanaryBuffer(arr(xp, recs), chain())
     log = kc.ViolationLog.allocate(capacity=512, device=device)
     vp = kc.VerifyPlan.from_buffers(slot_indices=arr(xp, slot_a), prev_slot_indices=arr(xp, prev_a),
                                     expected_positions=arr(xp, pos_a), expected_tokens=arr(xp, tok_a),

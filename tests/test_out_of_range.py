@@ -18,6 +18,8 @@ ROW2 = [50, 51, 52, 7, 6, 4, 19, 20, 21, 23, 24, 25, 26, 27, 28, 29]
 TABLE = np.array([[0] * 16, ROW1, ROW2], dtype=np.int64)
 V = kc.LaunchTag.VERIFY
 
+pytestmark = pytest.mark.usefixtures("chain_kind")
+
 
 def env(xp, device, **kw):
     return Env(xp, device, table=kw.pop("table", TABLE), **kw)

@@ -5,9 +5,10 @@ them on a device through an array module ``xp`` (numpy or cupy), so the same
 workload can drive any backend and a parity test can compare backends on
 identical inputs.
 
-The oracles here (``sm64``, ``fingerprint_of``, ``chain_of``) are scalar Python
-on ints, written from the record format alone: they share no code with the
-vectorized backends they check.
+The oracles here (``sm64``, ``fingerprint_of``, ``nxt``, ``chain_of``) are scalar
+Python on ints, written from the record format alone: they share no code with the
+vectorized backends they check. ``CHAIN`` is the chain kind the oracles and the
+canaries built here use; the ``chain_kind`` fixture (conftest) runs a test once per kind.
 
 Run as a script for the 1M-entry timing of the reference backend::
 
@@ -26,6 +27,10 @@ from kvcanary_cupy.format import RealKvMode
 
 MASK64 = (1 << 64) - 1
 ANCHOR_HASH = 0xDE7FAE23A9A1B716
+P61 = (1 << 61) - 1
+SCAN_ANCHOR = 0x1E7FAE23A9A1B71C
+SCAN_MUL = 0x1BD238973A2B1490
+CHAIN = "scan"  # the kind the oracles and the canaries below use (set by the chain_kind fixture)
 
 
 # --- array plumbing ------------------------------------------------------------
@@ -61,12 +66,31 @@ def mix(a: int, token: int, position: int) -> int:
     return sm64(sm64(sm64(a) ^ (token & MASK64)) ^ (position & MASK64))
 
 
-def chain_of(tokens, positions, seed_link: int = ANCHOR_HASH) -> list[int]:
-    """Links (unsigned ints) of one sequence whose first record has ``seed_link``."""
-    out, running = [], seed_link
+def nxt(link: int, token: int, position: int) -> int:
+    """The successor's link in the ``CHAIN`` kind: mix3 (sglang), or the affine step mod P61 (scan)."""
+    if CHAIN == "sglang":
+        return mix(link, token, position)
+    term = sm64(sm64(token & MASK64) ^ (position & MASK64)) % P61
+    return (SCAN_MUL * ((link & MASK64) % P61) + term) % P61
+
+
+def chain() -> str:
+    """The chain kind in use (``CHAIN``, read at call time)."""
+    return CHAIN
+
+
+def first_link() -> int:
+    """The link of a sequence's first record in the ``CHAIN`` kind."""
+    return ANCHOR_HASH if CHAIN == "sglang" else SCAN_ANCHOR
+
+
+def chain_of(tokens, positions, seed_link: int | None = None) -> list[int]:
+    """Links (unsigned ints) of one sequence whose first record has ``seed_link``
+    (default: the chain kind's first link)."""
+    out, running = [], first_link() if seed_link is None else seed_link
     for t, p in zip(tokens, positions):
         out.append(running)
-        running = mix(running, int(t), int(p))
+        running = nxt(running, int(t), int(p))
     return out
 
 
@@ -330,7 +354,7 @@ class Runner:
 
     def __post_init__(self):
         xp, wl, dt = self.xp, self.wl, self.wl.index_dtype
-        self.canary = kc.CanaryBuffer.allocate(num_slots=wl.num_slots, device=self.device)
+        self.canary = kc.CanaryBuffer.allocate(num_slots=wl.num_slots, device=self.device, chain=CHAIN)
         self.log = kc.ViolationLog.allocate(capacity=self.log_capacity, device=self.device)
         cap = max(1, int(wl.lengths.sum()))
         self.vp = kc.VerifyPlan.allocate(capacity=cap, max_batch=wl.max_batch, device=self.device)
@@ -390,7 +414,7 @@ class Env:
     def __init__(self, xp, device, *, num_slots=64, capacity=256, max_batch=8, log_capacity=64, table=None,
                  dtype=np.int64):
         self.xp, self.device, self.dtype = xp, device, dtype
-        self.canary = kc.CanaryBuffer.allocate(num_slots=num_slots, device=device)
+        self.canary = kc.CanaryBuffer.allocate(num_slots=num_slots, device=device, chain=CHAIN)
         self.log = kc.ViolationLog.allocate(capacity=log_capacity, device=device)
         self.vp = kc.VerifyPlan.allocate(capacity=capacity, max_batch=max_batch, device=device)
         self.wp = kc.WritePlan.allocate(max_batch=max_batch, device=device)

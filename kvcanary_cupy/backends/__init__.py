@@ -32,6 +32,12 @@ class Backend(Protocol):
     def prepare_verify(self, canary, vp, *, log, tag: int, sources, mode, check_tokens: bool, sample,
                        stream: int | None) -> Launch: ...
 
+    def prepare_plan_and_verify(self, vp, wp, canary, *, req_pool_indices, prefix_lens, extend_lens, table,
+                                page_size: int, swa, expected, log, tag: int, sources, mode, check_tokens: bool,
+                                sample, stream: int | None) -> Launch:
+        """plan then verify in one launch (see ``ops.plan_and_verify``)."""
+        ...
+
     def prepare_scatter(self, table, *, tokens, offsets, req_pool_indices, stream: int | None) -> Launch: ...
 
     def prepare_digest(self, rows, *, out, carry, stream: int | None) -> Launch:

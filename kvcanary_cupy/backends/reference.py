@@ -1,7 +1,9 @@
 """The NumPy reference backend: the oracle the CUDA kernels are checked against.
 
-Vectorized over batch rows and plan entries; only the write chain, which is
-serial within a row by definition, loops over token index (all rows at once).
+Vectorized over batch rows and plan entries. The write chain of a ``"scan"``
+canary is a segmented parallel prefix scan of affine maps (log2 of the longest
+row vectorized steps), as the kernel computes it; the ``"sglang"`` chain is
+serial within a row by definition and loops over token index (all rows at once).
 The plan, like the kernel, first decides each row's validity and counts and
 builds entries only if they fit the capacity, both in chunks of table positions,
 so its memory does not grow with what a batch asks for.
@@ -18,7 +20,6 @@ from ..format import FailReason, RealKvMode
 
 _I64 = np.int64
 _U64 = np.uint64
-_ANCHOR_HASH = _U64(fmt.ANCHOR_HASH)
 _FP_BLOCK = 1 << 16  # entries fingerprinted per block, to bound temporary memory
 _PLAN_CHUNK = 1 << 18  # table positions a plan reads per chunk, to bound temporary memory
 _I64_MAX = np.int64(np.iinfo(np.int64).max)
@@ -29,10 +30,13 @@ def _u(a):
     return np.asarray(a, dtype=_I64).view(_U64)
 
 
-def _link_of(records: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """next_link(record(slot)) for in-range slots (uint64)."""
-    r = records[slots]
-    return fmt.mix3(_u(r[:, fmt.FIELD_LINK]), _u(r[:, fmt.FIELD_TOKEN]), _u(r[:, fmt.FIELD_POSITION]))
+def _link_of(canary, slots: np.ndarray) -> np.ndarray:
+    """next_link(record(slot)) for in-range slots (uint64), in the canary's chain kind."""
+    return fmt.next_link(canary.records[slots], chain=canary.chain)
+
+
+def _first_link(canary):
+    return _U64(fmt.first_link(canary.chain))
 
 
 def _append(log, rows: list[np.ndarray]) -> None:
@@ -188,6 +192,46 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
 
 
 # --- write -------------------------------------------------------------------
+def _serial_links(running, row_l, j_of, stored, toks, poss) -> np.ndarray:
+    """The link each stored token stores, ``"sglang"`` chain: running = mix3(running, token,
+    position) after each stored token, iterating over j for all rows at once. ``running``
+    (per live row, uint64) starts at each row's first link and is consumed."""
+    out = np.zeros(row_l.shape[0], dtype=_U64)
+    lens = np.bincount(row_l, minlength=running.shape[0])
+    start = np.cumsum(lens) - lens
+    for j in range(int(lens.max()) if lens.shape[0] else 0):
+        rows_j = np.nonzero(lens > j)[0]
+        t = start[rows_j] + j
+        go = stored[t]
+        rows_j, t = rows_j[go], t[go]
+        out[t] = running[rows_j]
+        running[rows_j] = fmt.mix3(running[rows_j], _u(toks[t]), _u(poss[t]))
+    return out
+
+
+def _scan_links(running, row_l, j_of, stored, toks, poss) -> np.ndarray:
+    """The link each stored token stores, ``"scan"`` chain: each stored token is the map
+    ``x -> SCAN_MUL x + scan_term`` (a skipped one the identity); a Hillis-Steele scan
+    composes them within each row, and a token stores its row's first link put through
+    the maps of the tokens before it."""
+    n = row_l.shape[0]
+    a = np.where(stored, _U64(fmt.SCAN_MUL), _U64(1))
+    b = np.where(stored, fmt.scan_term(toks, poss), _U64(0))
+    d = 1
+    while d < (int(j_of.max()) + 1 if n else 0):
+        k = np.nonzero(j_of >= d)[0]  # token k takes in token k - d of the same row
+        na = fmt.mulmod61(a[k], a[k - d])
+        nb = fmt.reduce61(fmt.mulmod61(a[k], b[k - d]) + b[k])
+        a[k], b[k] = na, nb
+        d *= 2
+    x0 = running[row_l]
+    first = j_of == 0
+    prev = np.maximum(np.arange(n) - 1, 0)
+    ea = np.where(first, _U64(1), a[prev])  # the maps of the tokens before, composed
+    eb = np.where(first, _U64(0), b[prev])
+    return fmt.reduce61(fmt.mulmod61(ea, x0) + eb)
+
+
 def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode,
           expected_tokens, expected_positions):
     rec = canary.records
@@ -228,48 +272,39 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
     # Chain state per live row, seeded from the seed record.
     sd = seeds[live]
     has_seed = sd >= 0
-    running = np.full(live.shape[0], _ANCHOR_HASH, dtype=_U64)
+    running = np.full(live.shape[0], _first_link(canary), dtype=_U64)
     prev_pos = np.zeros(live.shape[0], dtype=_I64)
     if has_seed.any():
-        running[has_seed] = _link_of(rec, sd[has_seed])
+        running[has_seed] = _link_of(canary, sd[has_seed])
         prev_pos[has_seed] = rec[sd[has_seed], fmt.FIELD_POSITION]
-    has_prev = has_seed.copy()
-    check_pos = bool(wp.position_check[0])
 
-    # Gather every token of every live row up front; the loop only runs the chain.
+    # Every token of every live row, rows back to back; token (row, j) is start[row] + j.
     lens = (o1 - o0)[live]
     row_l = np.repeat(np.arange(live.shape[0]), lens)
-    j_of = np.arange(row_l.shape[0]) - np.repeat(np.cumsum(lens) - lens, lens)
+    start = np.cumsum(lens) - lens
+    j_of = np.arange(row_l.shape[0]) - np.repeat(start, lens)
     tok_idx = o0[live][row_l] + j_of
     loc = out_cache_loc[tok_idx].astype(_I64)
     log.counter_array[fmt.CTR_TOKENS_SKIPPED] += int(np.count_nonzero(loc < 0))
     toks = input_ids[tok_idx].astype(_I64)
     poss = positions[tok_idx].astype(_I64)
-    stored_link = np.zeros(row_l.shape[0], dtype=_U64)
-    stored = np.zeros(row_l.shape[0], dtype=bool)
-    pos_bad = np.zeros(row_l.shape[0], dtype=bool)
+    stored = loc >= 0  # a negative slot is skipped: no store, the chain does not advance
+    chain_fn = _scan_links if canary.chain == fmt.CHAIN_SCAN else _serial_links
+    stored_link = chain_fn(running, row_l, j_of, stored, toks, poss)
+
+    # The previous stored token's position in the row (the seed's before the first).
+    idx = np.where(stored, np.arange(row_l.shape[0]), -1)
+    last = np.maximum.accumulate(idx) if idx.shape[0] else idx
+    before = np.concatenate(([-1], last[:-1])) if last.shape[0] else last
+    in_row = before >= start[row_l]
+    has_prev = in_row | has_seed[row_l]
+    prev_p = np.where(in_row, poss[np.maximum(before, 0)], prev_pos[row_l])
     exp_pos_col = np.full(row_l.shape[0], -1, dtype=_I64)
-    # Token index of (row, j) is start[row] + j: iterate j across all rows at once.
-    start = np.cumsum(lens) - lens
-    for j in range(int(lens.max())):
-        rows_j = np.nonzero(lens > j)[0]
-        t = start[rows_j] + j
-        s = loc[t]
-        go = s >= 0
-        rows_j, t = rows_j[go], t[go]
-        if rows_j.shape[0] == 0:
-            continue
-        p = poss[t]
-        if check_pos:
-            hp = has_prev[rows_j]
-            pb = hp & (p != prev_pos[rows_j] + 1)
-            pos_bad[t] = pb
-            exp_pos_col[t[hp]] = prev_pos[rows_j[hp]] + 1
-        stored_link[t] = running[rows_j]
-        stored[t] = True
-        running[rows_j] = fmt.mix3(running[rows_j], _u(toks[t]), _u(p))
-        prev_pos[rows_j] = p
-        has_prev[rows_j] = True
+    pos_bad = np.zeros(row_l.shape[0], dtype=bool)
+    if bool(wp.position_check[0]):
+        chk = stored & has_prev
+        exp_pos_col[chk] = prev_p[chk] + 1
+        pos_bad = chk & (poss != prev_p + 1)
 
     bits = np.zeros(row_l.shape[0], dtype=_I64)
     bits[pos_bad] |= int(FailReason.WRITE_POSITION)
@@ -330,9 +365,9 @@ def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
     s = slot[chk]
     r = rec[s]
     p = prev[chk]
-    exp_link = np.full(chk.shape[0], _ANCHOR_HASH, dtype=_U64)
+    exp_link = np.full(chk.shape[0], _first_link(canary), dtype=_U64)
     linked = p > 0
-    exp_link[linked] = _link_of(rec, p[linked])
+    exp_link[linked] = _link_of(canary, p[linked])
     stored_link = _u(r[:, fmt.FIELD_LINK])
     exp_link[p == 0] = stored_link[p == 0]  # padding predecessor: chain not checked
     bits = np.zeros(chk.shape[0], dtype=_I64)
@@ -446,6 +481,15 @@ def compare_digests(gathered, *, rank, state, log, tag):
 def prepare_plan(vp, wp, *, stream=None, **inputs):
     """:func:`plan` bound to its arguments (nothing to pack on the CPU)."""
     return lambda _stream: plan(vp, wp, **inputs)
+
+
+def prepare_plan_and_verify(vp, wp, canary, *, stream=None, log, tag, sources, mode, check_tokens, sample,
+                            **plan_inputs):
+    """:func:`plan` then :func:`verify`, bound (the NumPy backend writes the entries too)."""
+    def run(_stream):
+        plan(vp, wp, **plan_inputs)
+        verify(canary, vp, log=log, tag=tag, sources=sources, mode=mode, check_tokens=check_tokens, sample=sample)
+    return run
 
 
 def prepare_write(canary, wp, *, stream=None, **inputs):
