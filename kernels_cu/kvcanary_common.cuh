@@ -1,4 +1,4 @@
-// kvcanary_common.cuh: the canary record format (v1) for the CUDA kernels.
+// kvcanary_common.cuh: the canary record format (both chain kinds) for the CUDA kernels.
 //
 // The CUDA twin of kvcanary_cupy/format.py. Every constant is written as
 //     inline constexpr <type> NAME = <value>;
@@ -26,6 +26,10 @@ inline constexpr i64 PADDING_REQ = 0;    // request-table row 0: a padding batch
 inline constexpr u64 SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9ULL;
 inline constexpr u64 SPLITMIX_MUL2 = 0x94D049BB133111EBULL;
 inline constexpr u64 ANCHOR_HASH = 0xDE7FAE23A9A1B716ULL;  // splitmix64(ANCHOR), the first link of a chain
+// The scan chain (format v2): links are affine maps mod P61.
+inline constexpr u64 P61 = 0x1FFFFFFFFFFFFFFFULL;          // 2**61 - 1
+inline constexpr u64 SCAN_ANCHOR = 0x1E7FAE23A9A1B71CULL;  // ANCHOR_HASH mod P61, the first link of a scan chain
+inline constexpr u64 SCAN_MUL = 0x1BD238973A2B1490ULL;     // splitmix64(2) mod P61
 
 // --- fail reasons (FailReason) ---------------------------------------------
 inline constexpr i64 FAIL_CHAIN = 1;
@@ -102,7 +106,36 @@ __device__ __forceinline__ Record load_record(const i64* records, i64 slot) {
     return r;
 }
 
-__device__ __forceinline__ u64 next_link(const Record& r) { return mix3(r.link, r.token, r.position); }
+// --- the two chain kinds ------------------------------------------------------
+// x mod P61 for any u64 x: 2**61 = 1 mod P61, so one fold leaves x < P61 + 8.
+__device__ __forceinline__ u64 reduce61(u64 x) {
+    x = (x & P61) + (x >> 61);
+    return x >= P61 ? x - P61 : x;
+}
+
+// a * b mod P61 for a, b < P61: the 128-bit product is hi 2**64 + lo, and
+// 2**64 = 8 mod P61; hi < 2**58, so 8 hi < 2**61 and the sum fits 63 bits.
+__device__ __forceinline__ u64 mulmod61(u64 a, u64 b) {
+    const u64 lo = a * b, hi = __umul64hi(a, b);
+    return reduce61((lo & P61) + (lo >> 61) + (hi << 3));
+}
+
+__device__ __forceinline__ u64 scan_term(i64 token, i64 position) {
+    return reduce61(splitmix64(splitmix64((u64)token) ^ (u64)position));
+}
+
+// The link a record's successor stores: kScan, the affine step
+// SCAN_MUL * (link mod P61) + scan_term mod P61; else SGLang's mix3.
+template <bool kScan>
+__device__ __forceinline__ u64 next_link(const Record& r) {
+    if (kScan) return reduce61(mulmod61(SCAN_MUL, reduce61(r.link)) + scan_term(r.token, r.position));
+    return mix3(r.link, r.token, r.position);
+}
+
+template <bool kScan>
+__device__ __forceinline__ u64 first_link() {
+    return kScan ? SCAN_ANCHOR : ANCHOR_HASH;
+}
 
 // --- warp helpers -----------------------------------------------------------
 __device__ __forceinline__ unsigned lane_id() { return threadIdx.x & 31u; }

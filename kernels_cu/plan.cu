@@ -1,6 +1,8 @@
 // plan.cu: derive a step's verify entries and write metadata on the device.
 //
-// One kernel, plan_step, in three phases joined by a small launch state:
+// One kernel, plan_step, in three phases joined by a small launch state (and
+// plan_verify_step, the same with the fill checking each entry against the
+// records instead of writing it: plan_and_verify):
 //   rows  blocks claim batch rows one at a time (an atomic counter): row
 //         validity (every slot the row reads must be readable), entry count,
 //         write length and chain seed; counts go into offsets[r + 1].
@@ -208,6 +210,97 @@ __device__ void plan_scan(const PlanArgs& a, i64* sh) {
     }
 }
 
+// --- plan_and_verify: the entries checked where they are derived ----------------
+// What plan_verify_step adds to a plan: the canary, the log, the real-KV folds and
+// the fingerprint sampler (as in verify.cu's VerifyArgs).
+struct CheckArgs {
+    const i64* records;  // [num_slots, 4]
+    i64 num_slots;
+    i64* ring;  // [ring_capacity, 10]
+    i64* head;
+    i64 ring_capacity;
+    i64* counters;  // [NUM_COUNTERS]
+    i64 tag;
+    i64 check_tokens;
+    const i64* folds;  // [num_folds, FOLD_DESC_WORDS], or null
+    i64 num_folds;
+    i64* sample_state;  // [2] (phase counter, ticket), or null
+    i64 period;
+};
+
+struct PlanVerifyArgs {
+    PlanArgs p;
+    CheckArgs c;
+};
+
+__device__ __forceinline__ i64 pmod(i64 x, i64 m) {
+    i64 r = x % m;
+    return r < 0 ? r + m : r;
+}
+
+// Fingerprints of the 32 lanes' slots with g lanes per slot (see lanes_per_fingerprint):
+// round u folds the slots of lanes [u 32/g, (u + 1) 32/g), a group of g lanes each,
+// and hands each result back to the lane it belongs to. Every lane must call it.
+__device__ __forceinline__ u64 lane_fingerprints(const CheckArgs& c, i64 slot, bool need, int g) {
+    if (g == 1) return fingerprint(c.folds, c.num_folds, slot, need, 1);
+    const int lane = (int)lane_id(), per = 32 / g;
+    u64 mine = 0;
+    for (int u = 0; u < g; ++u) {
+        const int q = u * per + lane / g;
+        const i64 s = __shfl_sync(FULL_MASK, slot, q);
+        const bool nd = __shfl_sync(FULL_MASK, (int)need, q) != 0;
+        const u64 f = fingerprint(c.folds, c.num_folds, s, nd, g);
+        const u64 v = __shfl_sync(FULL_MASK, f, ((lane - u * per) * g) & 31);
+        if (lane / per == u) mine = v;
+    }
+    return mine;
+}
+
+// verify.cu's check of one entry, for the entry each lane of a warp derived: entries
+// of consecutive lanes are consecutive, so a predecessor that is the lane below's
+// slot takes its link over a shuffle. Every lane must call it.
+template <bool kFp, bool kScan>
+__device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 row, i64 slot, i64 prev, i64 epos,
+                                            i64 etok, int g, i64 phase, i64& checked) {
+    const unsigned lane = lane_id();
+    const i64 N = c.num_slots;
+    const bool live = act && slot != RESERVED_SLOT;
+    const bool oor = live && (slot < 0 || slot >= N || prev < -1 || prev >= N);
+    const bool chk = live && !oor;
+    const bool fp_sel = kFp && chk && (phase < 0 || pmod(slot, c.period) == phase);
+    const i64 below = __shfl_up_sync(FULL_MASK, chk ? slot : -1, 1);
+    const bool prev_below = lane >= 1 && prev > 0 && below == prev;
+    Record r = {}, pr = {};
+    if (chk) {
+        r = load_record(c.records, slot);
+        if (prev > 0 && !prev_below) pr = load_record(c.records, prev);
+    }
+    const u64 link_below = __shfl_up_sync(FULL_MASK, next_link<kScan>(r), 1);
+    u64 fp = 0;
+    if (kFp) fp = lane_fingerprints(c, slot, fp_sel, g);
+    i64 bits = 0, pos = -1, tok = -1;
+    u64 link = 0, elink = 0;
+    if (live) {
+        ++checked;
+        if (oor) {
+            bits = FAIL_SLOT_OUT_OF_RANGE;
+        } else {
+            if (prev == -1) elink = first_link<kScan>();
+            else if (prev == 0) elink = r.link;  // a padding predecessor: the chain is not checked
+            else elink = prev_below ? link_below : next_link<kScan>(pr);
+            if (r.link != elink) bits |= FAIL_CHAIN;
+            if (r.position != epos) bits |= FAIL_POSITION;
+            if (c.check_tokens != 0 && etok != -1 && r.token != etok) bits |= FAIL_TOKEN;
+            if (fp_sel && r.fingerprint != fp) bits |= FAIL_REAL_KV;
+            pos = r.position;
+            tok = r.token;
+            link = r.link;
+        }
+    }
+    append_violation(c.ring, c.head, c.ring_capacity, bits != 0, c.tag, slot, pos, tok, etok, link, elink, bits, row,
+                     epos);
+}
+
 // The verify entries, each warp a contiguous run of them, 32 at a time. Offsets
 // and plan scalars are read through L2 (__ldcg): another block of this launch
 // wrote them. A warp's entries span few rows, so the warp keeps its current row
@@ -224,9 +317,11 @@ __device__ __forceinline__ FillRow fill_row(const PlanArgs& a, const i64* off, i
                    window_start(a, load_index(a.pre, w_pre, row))};
 }
 
-__device__ void plan_fill(const PlanArgs& a) {
+template <bool kVerify, bool kFp, bool kScan>
+__device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64& checked) {
     if (__ldcg(a.vp_enable) != 1) return;
     const i64 n = __ldcg(a.vp_num_valid);
+    const int g = kFp ? lanes_per_fingerprint(n, c->num_folds) : 1;
     const i64* off = a.vp_offsets;
     const bool w_rpi = width_bit(a.widths, W_RPI), w_pre = width_bit(a.widths, W_PRE);
     const unsigned lane = lane_id();
@@ -259,30 +354,42 @@ __device__ void plan_fill(const PlanArgs& a) {
             row = next_row;
             cur = fill_row(a, off, row, w_rpi, w_pre);
         }
-        if (!act) continue;
-        i64 prev = -1;
-        if (lane > 0 && below_rp == rp && below_pos == pos - 1) prev = below_slot;
-        else if (pos > 0) prev = slot_at(a, rp, pos - 1);
-        i64 tok = -1;
-        if (a.erows >= 0) {
-            i64 k = pos + a.eoffset;
-            i64 lim = load_index(a.evl, width_bit(a.widths, W_EVL), r);
-            if (lim > a.ewidth) lim = a.ewidth;
-            if (k >= 0 && k < lim) tok = load_index(a.etab, width_bit(a.widths, W_ETAB), rp * a.ewidth + k);
+        i64 prev = -1, tok = -1;
+        if (act) {
+            if (lane > 0 && below_rp == rp && below_pos == pos - 1) prev = below_slot;
+            else if (pos > 0) prev = slot_at(a, rp, pos - 1);
+            if (a.erows >= 0) {
+                i64 k = pos + a.eoffset;
+                i64 lim = load_index(a.evl, width_bit(a.widths, W_EVL), r);
+                if (lim > a.ewidth) lim = a.ewidth;
+                if (k >= 0 && k < lim) tok = load_index(a.etab, width_bit(a.widths, W_ETAB), rp * a.ewidth + k);
+            }
         }
-        a.vp_slot[e] = slot;
-        a.vp_prev[e] = prev;
-        a.vp_epos[e] = pos;
-        a.vp_etok[e] = tok;
+        if constexpr (kVerify) {
+            check_entry<kFp, kScan>(*c, act, r, slot, prev, pos, tok, g, phase, checked);
+        } else if (act) {
+            a.vp_slot[e] = slot;
+            a.vp_prev[e] = prev;
+            a.vp_epos[e] = pos;
+            a.vp_etok[e] = tok;
+        }
     }
 }
 
-// The whole plan in one launch (see the top of the file for the phases).
-__global__ void __launch_bounds__(256) plan_step(PlanArgs a) {
+// The whole plan in one launch (see the top of the file for the phases); with
+// kVerify, the fill checks each entry instead of writing it (plan_and_verify).
+template <bool kVerify, bool kFp, bool kScan>
+__device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c) {
     __shared__ i64 sh[33];
     __shared__ i64 s_row;
     __shared__ int s_scan;
+    __shared__ i64 s_phase;
     i64* sync = a.sync;
+    if constexpr (kVerify) {
+        // The sampler's phase, read before any block can finish (the last one out advances it).
+        if (threadIdx.x == 0)
+            s_phase = c->sample_state != nullptr ? pmod(__ldcg(c->sample_state), c->period) : -1;
+    }
     i64 errors = 0;       // thread 0
     bool scanner = false;  // thread 0
     for (;;) {
@@ -312,6 +419,7 @@ __global__ void __launch_bounds__(256) plan_step(PlanArgs a) {
         __syncthreads();
         if (threadIdx.x == 0) atomicExch((u64*)(sync + SYNC_SCANNED), 1ULL);
     }
+    i64 checked = 0;
     if (a.vp_offsets != nullptr) {
         // Waits only on the scanning block, which is running: every row has been
         // claimed by a running block before any block gets here.
@@ -325,7 +433,18 @@ __global__ void __launch_bounds__(256) plan_step(PlanArgs a) {
         }
         __syncthreads();
         __threadfence();
-        plan_fill(a);
+        plan_fill<kVerify, kFp, kScan>(a, c, kVerify ? s_phase : -1, checked);
+    }
+    if constexpr (kVerify) {
+        const i64 sum = block_sum(checked, sh);
+        if (threadIdx.x == 0) {
+            if (sum != 0) atomicAdd((u64*)(c->counters + CTR_SLOTS_CHECKED), (u64)sum);
+            if (blockIdx.x == 0) {
+                atomicAdd((u64*)(c->counters + CTR_KERNEL_RUNS), 1ULL);
+                // An overflowed plan checks nothing: count it, so it shows.
+                if (__ldcg(a.vp_enable) != 1) atomicAdd((u64*)(c->counters + CTR_VERIFIES_SKIPPED), 1ULL);
+            }
+        }
     }
     if (threadIdx.x == 0) {
         __threadfence();
@@ -335,9 +454,20 @@ __global__ void __launch_bounds__(256) plan_step(PlanArgs a) {
             sync[SYNC_ROWS_DONE] = 0;
             sync[SYNC_SCANNED] = 0;
             sync[SYNC_EXITED] = 0;
+            if constexpr (kVerify) {
+                if (c->sample_state != nullptr) c->sample_state[0] = __ldcg(c->sample_state) + 1;
+            }
             __threadfence();
         }
     }
+}
+
+__global__ void __launch_bounds__(256) plan_step(PlanArgs a) { plan_body<false, false, false>(a, nullptr); }
+
+// plan_and_verify: kFp with real-KV sources, kScan for a scan-chain canary.
+template <bool kFp, bool kScan>
+__global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) plan_verify_step(PlanVerifyArgs a) {
+    plan_body<true, kFp, kScan>(a.p, &a.c);
 }
 
 }  // namespace kvc

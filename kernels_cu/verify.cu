@@ -1,7 +1,8 @@
 // verify.cu: check every planned record against its predecessor, position,
 // token and (optionally) the fingerprint of the live K/V bytes.
 //
-// verify_entries<kFp>: grid-stride over entries in whole warps. kFp = false
+// verify_entries<kFp, kScan>: grid-stride over entries in whole warps; kScan
+// selects the canary's chain kind (scan or sglang). kFp = false
 // when no real-KV source is given (the expected fingerprint is then 0), which
 // keeps the common kernel small. Fingerprints are computed by g lanes per
 // entry (see lanes_per_fingerprint); the other checks by the group's first
@@ -48,7 +49,7 @@ __device__ __forceinline__ i64 pmod(i64 x, i64 m) {
     return r < 0 ? r + m : r;
 }
 
-template <bool kFp>
+template <bool kFp, bool kScan>
 __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entries(VerifyArgs a) {
     __shared__ i64 sh[32];
     __shared__ i64 s_phase;
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
             r = load_record(a.records, slot);
             if (prev > 0 && !prev_below) pr = load_record(a.records, prev);
         }
-        const u64 link_below = __shfl_up_sync(FULL_MASK, next_link(r), g);
+        const u64 link_below = __shfl_up_sync(FULL_MASK, next_link<kScan>(r), g);
         u64 fp = 0;
         if (kFp) fp = fingerprint(a.folds, a.num_folds, slot, fp_sel, g);
 
@@ -111,9 +112,9 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
             if (oor) {
                 bits = FAIL_SLOT_OUT_OF_RANGE;
             } else {
-                if (prev == -1) elink = ANCHOR_HASH;
+                if (prev == -1) elink = first_link<kScan>();
                 else if (prev == 0) elink = r.link;  // a padding predecessor: the chain is not checked
-                else elink = prev_below ? link_below : next_link(pr);
+                else elink = prev_below ? link_below : next_link<kScan>(pr);
                 if (r.link != elink) bits |= FAIL_CHAIN;
                 if (r.position != epos) bits |= FAIL_POSITION;
                 if (a.check_tokens != 0 && etok != -1 && r.token != etok) bits |= FAIL_TOKEN;

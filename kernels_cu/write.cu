@@ -1,8 +1,19 @@
 // write.cu: stamp records for the tokens a step writes.
 //
-// write_tokens<kFp>, two phases per warp, no grid-wide barrier between them
+// write_tokens<kFp, kScan>, two phases, no grid-wide barrier between them
 // (they write different record fields):
-//   A. chain: one warp per write row (grid-stride). The chain is serial by
+//   A. chain, kScan (the scan chain, format v2): each stored token is the affine
+//      map x -> SCAN_MUL x + scan_term(token, position) mod P61 (a skipped token
+//      the identity), so a row's links are a prefix scan of maps: per 32 tokens
+//      a warp scan over shuffles, chunk after chunk a carried map. Rows of at
+//      most WARP_ROW_MAX tokens (decode, speculative steps) take a warp each;
+//      longer rows (prefill) a block each, whose warps scan 32 x SCAN_ITEMS
+//      tokens apiece and combine their maps through shared memory, so a 16K
+//      row is 16 block steps rather than 16K dependent hashes. Within a row the
+//      last write of a slot wins, as in the reference: a warp settles its own
+//      duplicates with match_any, a block its warps' through a shared-memory
+//      table of the highest token index per slot.
+//   A. chain, sglang (v1): one warp per write row (grid-stride). The chain is serial by
 //      definition; the warp loads 32 tokens at a time, coalesced, and every
 //      lane runs the same chain over them in lockstep (values broadcast by
 //      shuffles), keeping the link of its own token. Then all lanes check and
@@ -61,7 +72,7 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
     bool has_prev = false;
     if (seed >= 0) {
         Record s = load_record(a.records, seed);
-        running = next_link(s);
+        running = next_link<false>(s);
         prev = s.position;
         has_prev = true;
     }
@@ -126,7 +137,254 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
     }
 }
 
+// --- the scan chain ----------------------------------------------------------------
+inline constexpr i64 WARP_ROW_MAX = 128;  // longer rows take a block
+inline constexpr int SCAN_ITEMS = 4;      // 32-token chunks per warp per block step
+inline constexpr int MAX_WARPS = 8;       // blockDim.x <= 256
+inline constexpr int DEDUPE_SLOTS = 2 * MAX_WARPS * 32 * SCAN_ITEMS;  // twice a block step's tokens
+inline constexpr u64 EMPTY_KEY = ~0ULL;
+
+// Where a chain stands after some tokens, as a map of what it stood at before:
+// x -> a x + b mod P61, and the position of the last stored token (has: any).
+struct ChainMap {
+    u64 a, b;
+    i64 pos;
+    int has;
+};
+
+__device__ __forceinline__ ChainMap identity_map() { return ChainMap{1, 0, 0, 0}; }
+
+// `later` after `first`.
+__device__ __forceinline__ ChainMap then(const ChainMap& first, const ChainMap& later) {
+    ChainMap r;
+    r.a = mulmod61(later.a, first.a);
+    r.b = reduce61(mulmod61(later.a, first.b) + later.b);
+    r.has = first.has | later.has;
+    r.pos = later.has ? later.pos : first.pos;
+    return r;
+}
+
+__device__ __forceinline__ u64 apply_map(const ChainMap& m, u64 x) { return reduce61(mulmod61(m.a, x) + m.b); }
+
+__device__ __forceinline__ ChainMap shfl_map(const ChainMap& m, int src) {
+    return ChainMap{__shfl_sync(FULL_MASK, m.a, src), __shfl_sync(FULL_MASK, m.b, src),
+                    __shfl_sync(FULL_MASK, m.pos, src), __shfl_sync(FULL_MASK, m.has, src)};
+}
+
+// One chunk of 32 consecutive tokens of a row, a token per lane.
+struct ScanChunk {
+    i64 i, s, t, p;  // token index, slot, token id, position
+    bool in;         // i lies in the row
+    ChainMap before;  // the chunk's tokens below this lane, composed
+};
+
+// Loads a chunk and scans its maps; returns the whole chunk's map (every lane).
+__device__ __forceinline__ ChainMap scan_chunk(const WriteArgs& a, i64 i, i64 o1, ScanChunk& c) {
+    const unsigned lane = lane_id();
+    c.i = i;
+    c.in = i < o1;
+    c.s = c.in ? load_index(a.out_cache_loc, width_bit(a.widths, W_LOC), i) : -1;
+    c.t = c.in ? load_index(a.input_ids, width_bit(a.widths, W_IDS), i) : 0;
+    c.p = c.in ? load_index(a.positions, width_bit(a.widths, W_POS), i) : 0;
+    ChainMap m = c.s >= 0 ? ChainMap{SCAN_MUL, scan_term(c.t, c.p), c.p, 1} : identity_map();
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {  // inclusive scan over the lanes
+        const ChainMap below = ChainMap{__shfl_up_sync(FULL_MASK, m.a, d), __shfl_up_sync(FULL_MASK, m.b, d),
+                                        __shfl_up_sync(FULL_MASK, m.pos, d), __shfl_up_sync(FULL_MASK, m.has, d)};
+        if (lane >= (unsigned)d) m = then(below, m);
+    }
+    const ChainMap ex = ChainMap{__shfl_up_sync(FULL_MASK, m.a, 1), __shfl_up_sync(FULL_MASK, m.b, 1),
+                                 __shfl_up_sync(FULL_MASK, m.pos, 1), __shfl_up_sync(FULL_MASK, m.has, 1)};
+    c.before = lane == 0 ? identity_map() : ex;
+    return shfl_map(m, 31);
+}
+
+// The chunk's links from the chain's state before it (x, and the previous stored
+// position if any), its checks, stores and violation rows. `last` says whether
+// this lane's token is the last write of its slot (decided by the caller).
 template <bool kFp>
+__device__ __forceinline__ void store_chunk(const WriteArgs& a, const ScanChunk& c, u64 x, int has_prev, i64 prev,
+                                            bool check_pos, i64 r, bool last, i64& written, i64& skipped) {
+    const u64 my_link = apply_map(c.before, x);
+    const bool my_has_prev = c.before.has || has_prev;
+    const i64 my_prev = c.before.has ? c.before.pos : prev;
+    const bool stored = c.in && c.s >= 0;
+    i64 bits = 0, etok = -1, epos = -1;
+    if (stored) {
+        if (check_pos && my_has_prev) {
+            epos = (i64)((u64)my_prev + 1ULL);
+            if (c.p != epos) bits |= FAIL_WRITE_POSITION;
+        }
+        if (width_bit(a.widths, HAS_ETOK)) {
+            etok = load_index(a.exp_tokens, width_bit(a.widths, W_ETOK), c.i);
+            if (etok != -1 && etok != c.t) bits |= FAIL_WRITE_TOKEN;
+        }
+        if (width_bit(a.widths, HAS_EPOS)) {
+            const i64 ep = load_index(a.exp_positions, width_bit(a.widths, W_EPOS), c.i);
+            if (ep != -1) {
+                epos = ep;
+                if (ep != c.p) bits |= FAIL_WRITE_POSITION;
+            }
+        }
+        if (c.s >= a.num_slots) bits |= FAIL_SLOT_OUT_OF_RANGE;
+    }
+    const bool store = stored && c.s < a.num_slots;
+    if (store && last) {
+        longlong2* rec = (longlong2*)(a.records + c.s * RECORD_WORDS);
+        rec[0] = make_longlong2(c.t, c.p);
+        if (kFp) a.records[c.s * RECORD_WORDS + FIELD_LINK] = (i64)my_link;  // phase B stores field 3
+        else rec[1] = make_longlong2((i64)my_link, 0);
+    }
+    written += __popc(__ballot_sync(FULL_MASK, store));
+    skipped += __popc(__ballot_sync(FULL_MASK, c.in && c.s < 0));
+    append_violation(a.ring, a.head, a.ring_capacity, bits != 0, a.tag, c.s, c.p, c.t, etok, my_link, my_link, bits, r,
+                     epos);
+}
+
+// The chain's state before a row's first token: its seed record's successor link
+// and position, or the first link and no position.
+__device__ __forceinline__ void seed_state(const WriteArgs& a, i64 seed, u64& x, int& has, i64& pos) {
+    x = SCAN_ANCHOR;
+    has = 0;
+    pos = 0;
+    if (seed >= 0) {
+        const Record s = load_record(a.records, seed);
+        x = next_link<true>(s);
+        has = 1;
+        pos = s.position;
+    }
+}
+
+// A row of at most WARP_ROW_MAX tokens, by one warp, 32 tokens at a time.
+template <bool kFp>
+__device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool check_pos,
+                                              i64& written, i64& skipped) {
+    const unsigned lane = lane_id();
+    u64 x;
+    int has;
+    i64 pos;
+    seed_state(a, seed, x, has, pos);
+    for (i64 b = o0; b < o1; b += 32) {
+        ScanChunk c;
+        const ChainMap all = scan_chunk(a, b + lane, o1, c);
+        const bool store = c.in && c.s >= 0 && c.s < a.num_slots;
+        // Among this chunk's writes of one slot, the highest lane's wins; __syncwarp
+        // orders the chunks, so the row's last write of a slot wins.
+        const unsigned same = __match_any_sync(FULL_MASK, store ? c.s : -1 - (i64)lane);
+        store_chunk<kFp>(a, c, x, has, pos, check_pos, r, (same & lanes_above(lane)) == 0u, written, skipped);
+        x = apply_map(all, x);
+        if (all.has) {
+            has = 1;
+            pos = all.pos;
+        }
+        __syncwarp();
+    }
+}
+
+// Shared memory of the block path: the warps' maps of a block step, and the
+// last-write table (slot -> highest token index of the step that writes it).
+struct ScanShared {
+    ChainMap maps[MAX_WARPS];
+    u64 keys[DEDUPE_SLOTS];
+    int last[DEDUPE_SLOTS];
+};
+
+__device__ __forceinline__ unsigned dedupe_hash(i64 slot) {
+    return (unsigned)(splitmix64((u64)slot) & (u64)(DEDUPE_SLOTS - 1));
+}
+
+// Enters slot s written by token k of the step; returns the table index it took.
+__device__ __forceinline__ unsigned dedupe_enter(ScanShared& sh, i64 s, int k) {
+    unsigned h = dedupe_hash(s);
+    for (;;) {  // at most half the table is ever full: a free or matching entry is found
+        const u64 prev = atomicCAS(&sh.keys[h], EMPTY_KEY, (u64)s);
+        if (prev == EMPTY_KEY || prev == (u64)s) {
+            atomicMax(&sh.last[h], k);
+            return h;
+        }
+        h = (h + 1) & (DEDUPE_SLOTS - 1);
+    }
+}
+
+// A row longer than WARP_ROW_MAX tokens, by the whole block: each step covers
+// blockDim.x * SCAN_ITEMS tokens, warp w the w-th run of 32 * SCAN_ITEMS of them.
+// Every thread of the block must call it with the same row.
+template <bool kFp>
+__device__ void scan_row_block(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool check_pos, ScanShared& sh,
+                               i64& written, i64& skipped) {
+    const unsigned lane = lane_id(), warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const i64 step_tokens = (i64)blockDim.x * SCAN_ITEMS;
+    u64 x;
+    int has;
+    i64 pos;
+    seed_state(a, seed, x, has, pos);
+    for (i64 base = o0; base < o1; base += step_tokens) {
+        const i64 w0 = base + (i64)warp * 32 * SCAN_ITEMS;
+        ScanChunk c[SCAN_ITEMS];
+        ChainMap all[SCAN_ITEMS];
+        unsigned entry[SCAN_ITEMS];
+#pragma unroll
+        for (int j = 0; j < SCAN_ITEMS; ++j) all[j] = scan_chunk(a, w0 + j * 32 + lane, o1, c[j]);
+        ChainMap mine = all[0];
+#pragma unroll
+        for (int j = 1; j < SCAN_ITEMS; ++j) mine = then(mine, all[j]);
+        if (lane == 0) sh.maps[warp] = mine;
+#pragma unroll
+        for (int j = 0; j < SCAN_ITEMS; ++j) {
+            const bool store = c[j].in && c[j].s >= 0 && c[j].s < a.num_slots;
+            entry[j] = store ? dedupe_enter(sh, c[j].s, (int)(c[j].i - base)) : 0u;
+        }
+        __syncthreads();
+        // The chain's state before this warp's run: the block step's start, then the warps below.
+        ChainMap below = identity_map();
+        for (unsigned k = 0; k < warp; ++k) below = then(below, sh.maps[k]);
+        u64 xw = apply_map(below, x);
+        int hw = has | below.has;
+        i64 pw = below.has ? below.pos : pos;
+#pragma unroll
+        for (int j = 0; j < SCAN_ITEMS; ++j) {
+            const bool store = c[j].in && c[j].s >= 0 && c[j].s < a.num_slots;
+            const bool last = store && sh.last[entry[j]] == (int)(c[j].i - base);
+            store_chunk<kFp>(a, c[j], xw, hw, pw, check_pos, r, last, written, skipped);
+            xw = apply_map(all[j], xw);
+            if (all[j].has) {
+                hw = 1;
+                pw = all[j].pos;
+            }
+        }
+        ChainMap step = identity_map();
+        for (unsigned k = 0; k < nwarps; ++k) step = then(step, sh.maps[k]);
+        x = apply_map(step, x);
+        if (step.has) {
+            has = 1;
+            pos = step.pos;
+        }
+        __syncthreads();  // every lookup and map read is done: empty the table for the next step
+#pragma unroll
+        for (int j = 0; j < SCAN_ITEMS; ++j) {
+            if (c[j].in && c[j].s >= 0 && c[j].s < a.num_slots) {
+                sh.keys[entry[j]] = EMPTY_KEY;
+                sh.last[entry[j]] = -1;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// A row's span and seed, checked: false (and a violation row from the caller's
+// lane 0 when `report`) for a reversed or out-of-range span or a seed outside
+// the canary.
+__device__ __forceinline__ bool row_ok(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool report) {
+    const bool span_bad = o0 < 0 || o1 > a.avail || o1 < o0;  // a reversed span: a forged plan
+    const bool seed_bad = !span_bad && (seed < -1 || seed >= a.num_slots);
+    if (report)
+        append_violation(a.ring, a.head, a.ring_capacity, lane_id() == 0 && (span_bad || seed_bad), a.tag,
+                         span_bad ? -1 : seed, -1, -1, -1, 0, 0,
+                         span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1);
+    return !span_bad && !seed_bad && o1 > o0;
+}
+
+template <bool kFp, bool kScan>
 __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens(WriteArgs a) {
     const i64 planned_rows = *a.num_rows;  // < 0: the plan was never planned
     i64 nrows = planned_rows;
@@ -141,13 +399,22 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
     i64 written = 0, skipped = 0;  // the same in every lane of a warp
     for (i64 r = warp0; r < nrows; r += warps) {
         const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1], seed = a.seeds[r];
-        const bool span_bad = o0 < 0 || o1 > a.avail || o1 < o0;  // a reversed span: a forged plan
-        const bool seed_bad = !span_bad && (seed < -1 || seed >= N);
-        append_violation(a.ring, a.head, a.ring_capacity, lane == 0 && (span_bad || seed_bad), a.tag,
-                         span_bad ? -1 : seed, -1, -1, -1, 0, 0,
-                         span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1);
-        if (span_bad || seed_bad || o1 <= o0) continue;
-        chain_row<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
+        if (!row_ok(a, r, o0, o1, seed, true)) continue;
+        if (!kScan) chain_row<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
+        else if (o1 - o0 <= WARP_ROW_MAX) scan_row_warp<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
+    }
+    if constexpr (kScan) {  // the long rows, a block each (their span and seed were reported above)
+        __shared__ ScanShared sh;
+        for (int k = threadIdx.x; k < DEDUPE_SLOTS; k += blockDim.x) {
+            sh.keys[k] = EMPTY_KEY;
+            sh.last[k] = -1;
+        }
+        __syncthreads();
+        for (i64 r = blockIdx.x; r < nrows; r += gridDim.x) {
+            const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1], seed = a.seeds[r];
+            if (row_ok(a, r, o0, o1, seed, false) && o1 - o0 > WARP_ROW_MAX)
+                scan_row_block<kFp>(a, r, o0, o1, seed, check_pos, sh, written, skipped);
+        }
     }
 
     if (kFp && nrows > 0) {

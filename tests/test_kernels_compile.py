@@ -155,6 +155,7 @@ def _struct_fields(file: str, struct: str) -> tuple:
 
 @pytest.mark.parametrize("file,struct,fields", [
     ("plan.cu", "PlanArgs", cuda_backend.PLAN_FIELDS),
+    ("plan.cu", "CheckArgs", cuda_backend.CHECK_FIELDS),
     ("write.cu", "WriteArgs", cuda_backend.WRITE_FIELDS),
     ("verify.cu", "VerifyArgs", cuda_backend.VERIFY_FIELDS),
     ("scatter.cu", "ScatterArgs", cuda_backend.SCATTER_FIELDS),

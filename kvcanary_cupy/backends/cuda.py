@@ -56,11 +56,27 @@ VERIFY_FIELDS = (
     "offsets", "offsets_len", "num_valid", "enable", "capacity", "ring", "head", "ring_capacity", "counters",
     "tag", "check_tokens", "folds", "num_folds", "sample_state", "period",
 )
+# plan_verify_step's argument: PLAN_FIELDS, then these (plan.cu CheckArgs).
+CHECK_FIELDS = (
+    "records", "num_slots", "ring", "head", "ring_capacity", "counters", "tag", "check_tokens", "folds", "num_folds",
+    "sample_state", "period",
+)
 SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths")
 DIGEST_FIELDS = ("descs", "num_descs", "out", "state", "carry", "carry_words")
 AGREE_FIELDS = ("gathered", "world", "words", "rank", "state", "ring", "head", "ring_capacity", "tag")
 DIGEST_STATE_WORDS = 2  # digest.cu: the partial sum and the finished-block ticket
 HAS_ETOK, HAS_EPOS = 1 << 5, 1 << 6  # write.cu widths bits
+
+# The kernel instances, by (real-KV sources given, scan chain).
+WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false>", (False, True): "kvc::write_tokens<false, true>",
+                 (True, False): "kvc::write_tokens<true, false>", (True, True): "kvc::write_tokens<true, true>"}
+VERIFY_KERNELS = {(False, False): "kvc::verify_entries<false, false>",
+                  (False, True): "kvc::verify_entries<false, true>",
+                  (True, False): "kvc::verify_entries<true, false>", (True, True): "kvc::verify_entries<true, true>"}
+PLAN_VERIFY_KERNELS = {(False, False): "kvc::plan_verify_step<false, false>",
+                       (False, True): "kvc::plan_verify_step<false, true>",
+                       (True, False): "kvc::plan_verify_step<true, false>",
+                       (True, True): "kvc::plan_verify_step<true, true>"}
 
 
 def _ptr(a) -> int:
@@ -258,11 +274,9 @@ def _sync_state(owner, dev: int, stream: int) -> int:
     return _ptr(state)
 
 
-def prepare_plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected,
-                 stream=None) -> _Launch:
-    """See :func:`kvcanary_cupy.ops.plan`; views already validated."""
-    rt = _runtime()
-    stream = _stream(stream)
+def _plan_values(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected,
+                 stream: int) -> tuple[dict, int, int]:
+    """(PLAN_FIELDS values, device, grid threads) of a plan."""
     owner = vp if vp is not None else wp
     dev = _dev(owner.offsets)
     bs = req_pool_indices.shape[0]
@@ -288,18 +302,41 @@ def prepare_plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, p
     if wp is not None:
         v.update(wp_offsets=_ptr(wp.offsets), wp_seeds=_ptr(wp.seed_slots), wp_num_rows=_ptr(wp.num_rows),
                  wp_input_errors=_ptr(wp.input_errors), wp_max_batch=wp.max_batch)
-    fn = rt.function("plan", "kvc::plan_step", dev)
     cap = vp.capacity if vp is not None else 0  # a block per batch row, a thread per entry, one wave at most
-    return _Launch(PLAN_FIELDS, fn, dev, v, _blocks(max(bs * BLOCK, cap), rt.resident_blocks(fn, dev)))
+    return v, dev, max(bs * BLOCK, cap)
+
+
+def prepare_plan(vp, wp, *, stream=None, **inputs) -> _Launch:
+    """See :func:`kvcanary_cupy.ops.plan`; views already validated."""
+    rt = _runtime()
+    v, dev, threads = _plan_values(vp, wp, stream=_stream(stream), **inputs)
+    fn = rt.function("plan", "kvc::plan_step", dev)
+    return _Launch(PLAN_FIELDS, fn, dev, v, _blocks(threads, rt.resident_blocks(fn, dev)))
+
+
+def prepare_plan_and_verify(vp, wp, canary, *, log, tag, sources, mode, check_tokens, sample, stream=None,
+                            **plan_inputs) -> _Launch:
+    """See :func:`kvcanary_cupy.ops.plan_and_verify`; views already validated. One launch
+    of plan_verify_step: the plan's fill checks each entry instead of writing it."""
+    stream = _stream(stream)
+    v, dev, threads = _plan_values(vp, wp, stream=stream, **plan_inputs)
+    fn, dev, nf, c = _canary_fields("plan", PLAN_VERIFY_KERNELS, canary, log, tag, sources, mode, stream)
+    c.update(check_tokens=1 if check_tokens else 0, sample_state=_ptr(sample.state) if sample is not None else 0,
+             period=sample.period if sample is not None else 1)
+    values = {**v, **{f"c_{k}": x for k, x in c.items()}}
+    fields = PLAN_FIELDS + tuple(f"c_{k}" for k in CHECK_FIELDS)
+    threads = max(threads, vp.capacity * (min(nf, 32) if nf else 1))
+    return _Launch(fields, fn, dev, values, _blocks(threads, _runtime().resident_blocks(fn, dev)))
 
 
 # --- write and verify ------------------------------------------------------------
-def _canary_fields(family, names, canary, log, tag, sources, mode, stream: int):
-    """(kernel, device, fold count, fields): the kernel instance ``names[1]`` with real-KV
-    folds, else ``names[0]``, and the canary, log, tag and fold fields write and verify share."""
+def _canary_fields(family, kernels, canary, log, tag, sources, mode, stream: int):
+    """(kernel, device, fold count, fields): the instance of ``kernels`` (by real-KV folds
+    given, scan chain) for this call, and the canary, log, tag and fold fields write,
+    verify and plan_and_verify share."""
     dev = _dev(canary.records)
     folds, nf = _fold_table(sources, mode, dev, stream)
-    fn = _runtime().function(family, names[1] if nf else names[0], dev)
+    fn = _runtime().function(family, kernels[(nf > 0, canary.chain == fmt.CHAIN_SCAN)], dev)
     return fn, dev, nf, dict(
         records=_aligned16(canary.records, "canary.records"), num_slots=canary.num_slots,
         ring=_aligned16(log.ring, "log.ring"), head=_ptr(log.head), ring_capacity=log.capacity,
@@ -310,8 +347,7 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
                   expected_positions, stream=None) -> _Launch:
     """See :func:`kvcanary_cupy.ops.write`; views already validated."""
     stream = _stream(stream)
-    fn, dev, nf, v = _canary_fields("write", ("kvc::write_tokens<false>", "kvc::write_tokens<true>"), canary, log,
-                                    tag, sources, mode, stream)
+    fn, dev, nf, v = _canary_fields("write", WRITE_KERNELS, canary, log, tag, sources, mode, stream)
     avail = min(input_ids.shape[0], positions.shape[0], out_cache_loc.shape[0])
     widths = _wide(input_ids) | _wide(positions) << 1 | _wide(out_cache_loc) << 2
     if expected_tokens is not None:
@@ -325,16 +361,16 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
     v.update(offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
              position_check=_ptr(wp.position_check), max_batch=wp.max_batch, input_ids=_ptr(input_ids),
              positions=_ptr(positions), out_cache_loc=_ptr(out_cache_loc), widths=widths, avail=avail)
-    # A warp per row for the chain; with folds, up to 32 lanes per token fingerprint.
-    threads = max(wp.max_batch * 32, avail * min(nf, 32))
+    # A warp per row for the chain (a scan chain's long rows: a block per row); with folds,
+    # up to 32 lanes per token fingerprint.
+    threads = max(wp.max_batch * (BLOCK if canary.chain == fmt.CHAIN_SCAN else 32), avail * min(nf, 32))
     return _Launch(WRITE_FIELDS, fn, dev, v, _blocks(threads, _runtime().resident_blocks(fn, dev)))
 
 
 def prepare_verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample, stream=None) -> _Launch:
     """See :func:`kvcanary_cupy.ops.verify`; views already validated."""
     stream = _stream(stream)
-    fn, dev, nf, v = _canary_fields("verify", ("kvc::verify_entries<false>", "kvc::verify_entries<true>"), canary,
-                                    log, tag, sources, mode, stream)
+    fn, dev, nf, v = _canary_fields("verify", VERIFY_KERNELS, canary, log, tag, sources, mode, stream)
     v.update(slot_indices=_ptr(vp.slot_indices), prev_slot_indices=_ptr(vp.prev_slot_indices),
              expected_positions=_ptr(vp.expected_positions), expected_tokens=_ptr(vp.expected_tokens),
              offsets=_ptr(vp.offsets), offsets_len=vp.offsets.shape[0], num_valid=_ptr(vp.num_valid),

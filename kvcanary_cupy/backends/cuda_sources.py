@@ -37,11 +37,16 @@ class KernelModule:
 
 OPTIONS = ("-std=c++17",)
 
+
+def _instances(kernel: str) -> tuple[str, ...]:
+    """``kernel<kFp, kScan>`` for both values of each: with and without real-KV sources,
+    scan or sglang chain."""
+    return tuple(f"{kernel}<{fp}, {scan}>" for fp in ("false", "true") for scan in ("false", "true"))
+
 MODULES: dict[str, KernelModule] = {
-    "plan": KernelModule("plan.cu", OPTIONS, ("kvc::plan_step",)),
-    "write": KernelModule("write.cu", OPTIONS, ("kvc::write_tokens<false>", "kvc::write_tokens<true>")),
-    "verify": KernelModule("verify.cu", OPTIONS,
-                           ("kvc::verify_entries<false>", "kvc::verify_entries<true>")),
+    "plan": KernelModule("plan.cu", OPTIONS, ("kvc::plan_step", *_instances("kvc::plan_verify_step"))),
+    "write": KernelModule("write.cu", OPTIONS, _instances("kvc::write_tokens")),
+    "verify": KernelModule("verify.cu", OPTIONS, _instances("kvc::verify_entries")),
     "scatter": KernelModule("scatter.cu", OPTIONS, ("kvc::scatter_expected_tokens",)),
     "digest": KernelModule("digest.cu", OPTIONS, ("kvc::digest_rows", "kvc::compare_digests")),
 }

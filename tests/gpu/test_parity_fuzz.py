@@ -81,14 +81,9 @@ def _idx(rng, a):
     return a
 
 
-def _chain(tokens, positions, seed_link) -> np.ndarray:
+def _chain(tokens, positions, seed_link, chain) -> np.ndarray:
     """Links of one chained run (uint64)."""
-    out = np.empty(len(tokens), dtype=np.uint64)
-    run = np.array([seed_link], dtype=np.uint64)
-    for i in range(len(tokens)):
-        out[i] = run[0]
-        run = fmt.mix3(run, np.array([tokens[i]], dtype=np.int64), np.array([positions[i]], dtype=np.int64))
-    return out
+    return fmt.chain_links(tokens, positions, seed_link, chain=chain)
 
 
 def gen_case(rng, scale: float = 1.0) -> dict:
@@ -113,6 +108,8 @@ def gen_case(rng, scale: float = 1.0) -> dict:
     if big:
         P[rng.integers(0, bs)] = max_prefix
     E = rng.integers(0, max_extend + 1, size=bs)
+    if not decode and rng.random() < 0.1 * scale:  # a long prefill row: several steps of a block
+        E[int(rng.integers(0, bs))] = int(rng.integers(1025, 5000))
     lens = P + E
     width_pos = int(lens.max()) + int(rng.integers(0, 8))
     twidth = -(-max(width_pos, 1) // page)
@@ -213,6 +210,8 @@ def gen_case(rng, scale: float = 1.0) -> dict:
     c["capacity_factor"] = float(rng.choice([0.0, 0.5, 1.0, 1.0, 1.0, 2.0]))
     c["ring_capacity"] = int(rng.choice([1, 8, 64, 4096]))
     c["plans"] = str(rng.choice(["both", "both", "both", "verify", "write"]))
+    c["chain"] = str(rng.choice(["scan", "sglang"]))
+    c["fused"] = rng.random() < 0.5  # also plan_and_verify against plan + verify
     return c
 
 
@@ -236,7 +235,7 @@ def slot_of(c, rp, pos):
 # --- building both sides ---------------------------------------------------------
 def build_state(c, rng, side: Side) -> dict:
     st = {}
-    st["canary"] = CanaryBuffer(side.to_dev(c["records"]))
+    st["canary"] = CanaryBuffer(side.to_dev(c["records"]), c["chain"])
     st["sources"] = tuple(RealKvSource(side.to_dev(d), page_size=p, bytes_per_token=b, read_bytes=r, layer_axis=True)
                           for (d, p, b, r, _l) in c["sources"])
     return st
@@ -265,8 +264,8 @@ def prefix_records(c, rng):
         budget -= n
         toks = rng.integers(0, 50000, size=n)
         poss = np.arange(lo, P)
-        seed = fmt.ANCHOR_HASH if lo == 0 else int(rng.integers(0, 2 ** 63))
-        links = _chain(toks, poss, seed)
+        seed = fmt.first_link(c["chain"]) if lo == 0 else int(rng.integers(0, 2 ** 63))
+        links = _chain(toks, poss, seed, c["chain"])
         runs[rp] = (lo, toks)
         for j, pos in enumerate(range(lo, P)):
             s = slot_of(c, rp, pos)
@@ -573,6 +572,43 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
             logs.check(f"verify#{rep}")
             if R["sample"] is not None:
                 _eq("sampler state", dev.to_host(D["sample"].state), ref.to_host(R["sample"].state))
+
+    # plan_and_verify on the device against plan + verify on the reference, on the same
+    # inputs and the records as they now stand (sampled, token check, sources at random).
+    if with_vp and c["fused"]:
+        use_src = rng.random() < 0.85
+        mode = c["mode"] if use_src else RealKvMode.NONE
+        check_tokens = bool(rng.random() < 0.6)
+        sampled = rng.random() < 0.3
+        period, phase0 = int(rng.integers(1, 5)), int(rng.integers(-3, 10))
+        for f in VerifyPlan.ENTRY_FIELDS:  # the fused op does not write the entries: keep them poisoned
+            getattr(D["vp"], f).fill(POISON)
+        for st in (R, D):
+            side = st["side"]
+            d = side.to_dev
+            srcs = st["sources"] if (use_src and mode != RealKvMode.NONE) else ()
+            sample = None
+            if sampled and srcs:
+                sample = st["fsample"] = FingerprintSampler.allocate(period=period, device=side.device)
+                sample.state[0:1] = phase0
+            swa = SwaWindow(c["swa"][0], d(lut)) if lut is not None else None
+            et = ExpectedTokens(d(exp[0]), d(exp[1]), exp[2]) if exp is not None else None
+            plan_in = dict(req_pool_indices=d(rpi), prefix_lens=d(pre), extend_lens=d(ext), table=d(table),
+                           page_size=c["page"], swa=swa, expected=et)
+            check_in = dict(log=st["log"], tag=tag, sources=srcs, mode=mode if srcs else RealKvMode.NONE,
+                            check_tokens=check_tokens, sample=sample)
+            if st is R:
+                side.run("plan", st["vp"], st["wp"], **plan_in)
+                side.run("verify", st["canary"], st["vp"], **check_in)
+            else:
+                side.run("plan_and_verify", st["vp"], st["wp"], st["canary"], **plan_in, **check_in)
+        for f in VerifyPlan.SCALAR_FIELDS + ("offsets",):
+            _eq(f"plan_and_verify vp.{f}", dev.to_host(getattr(D["vp"], f)), ref.to_host(getattr(R["vp"], f)))
+        assert (dev.to_host(D["vp"].slot_indices) == POISON).all(), "plan_and_verify wrote the entries"
+        compare_plans("plan_and_verify", ref, dev, None, None, R["wp"], D["wp"])
+        logs.check("plan_and_verify")
+        if sampled and "fsample" in R:
+            _eq("plan_and_verify sampler", dev.to_host(D["fsample"].state), ref.to_host(R["fsample"].state))
 
 
 def run_fuzz(ref: Side, dev: Side, cases: int, seed: int, scale: float = 1.0, report=print) -> list:
