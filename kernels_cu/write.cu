@@ -138,8 +138,16 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
 }
 
 // --- the scan chain ----------------------------------------------------------------
-inline constexpr i64 WARP_ROW_MAX = 128;  // longer rows take a block
-inline constexpr int SCAN_ITEMS = 4;      // 32-token chunks per warp per block step
+// Rows longer than KVC_WARP_ROW_MAX tokens take a block; a block step covers
+// KVC_SCAN_ITEMS chunks of 32 tokens per warp.
+#ifndef KVC_WARP_ROW_MAX
+#define KVC_WARP_ROW_MAX 128
+#endif
+#ifndef KVC_SCAN_ITEMS
+#define KVC_SCAN_ITEMS 4
+#endif
+inline constexpr i64 WARP_ROW_MAX = KVC_WARP_ROW_MAX;
+inline constexpr int SCAN_ITEMS = KVC_SCAN_ITEMS;
 inline constexpr int MAX_WARPS = 8;       // blockDim.x <= 256
 inline constexpr int DEDUPE_SLOTS = 2 * MAX_WARPS * 32 * SCAN_ITEMS;  // twice a block step's tokens
 inline constexpr u64 EMPTY_KEY = ~0ULL;
@@ -178,14 +186,19 @@ struct ScanChunk {
     ChainMap before;  // the chunk's tokens below this lane, composed
 };
 
-// Loads a chunk and scans its maps; returns the whole chunk's map (every lane).
-__device__ __forceinline__ ChainMap scan_chunk(const WriteArgs& a, i64 i, i64 o1, ScanChunk& c) {
-    const unsigned lane = lane_id();
+// Loads a lane's token of a chunk (the loads of several chunks are issued before
+// any is scanned, so their latencies overlap).
+__device__ __forceinline__ void load_chunk(const WriteArgs& a, i64 i, i64 o1, ScanChunk& c) {
     c.i = i;
     c.in = i < o1;
     c.s = c.in ? load_index(a.out_cache_loc, width_bit(a.widths, W_LOC), i) : -1;
     c.t = c.in ? load_index(a.input_ids, width_bit(a.widths, W_IDS), i) : 0;
     c.p = c.in ? load_index(a.positions, width_bit(a.widths, W_POS), i) : 0;
+}
+
+// Scans a loaded chunk's maps; returns the whole chunk's map (every lane).
+__device__ __forceinline__ ChainMap scan_chunk(ScanChunk& c) {
+    const unsigned lane = lane_id();
     ChainMap m = c.s >= 0 ? ChainMap{SCAN_MUL, scan_term(c.t, c.p), c.p, 1} : identity_map();
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {  // inclusive scan over the lanes
@@ -266,7 +279,8 @@ __device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0,
     seed_state(a, seed, x, has, pos);
     for (i64 b = o0; b < o1; b += 32) {
         ScanChunk c;
-        const ChainMap all = scan_chunk(a, b + lane, o1, c);
+        load_chunk(a, b + lane, o1, c);
+        const ChainMap all = scan_chunk(c);
         const bool store = c.in && c.s >= 0 && c.s < a.num_slots;
         // Among this chunk's writes of one slot, the highest lane's wins; __syncwarp
         // orders the chunks, so the row's last write of a slot wins.
@@ -324,7 +338,9 @@ __device__ void scan_row_block(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 se
         ChainMap all[SCAN_ITEMS];
         unsigned entry[SCAN_ITEMS];
 #pragma unroll
-        for (int j = 0; j < SCAN_ITEMS; ++j) all[j] = scan_chunk(a, w0 + j * 32 + lane, o1, c[j]);
+        for (int j = 0; j < SCAN_ITEMS; ++j) load_chunk(a, w0 + j * 32 + lane, o1, c[j]);
+#pragma unroll
+        for (int j = 0; j < SCAN_ITEMS; ++j) all[j] = scan_chunk(c[j]);
         ChainMap mine = all[0];
 #pragma unroll
         for (int j = 1; j < SCAN_ITEMS; ++j) mine = then(mine, all[j]);
@@ -410,10 +426,27 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
             sh.last[k] = -1;
         }
         __syncthreads();
-        for (i64 r = blockIdx.x; r < nrows; r += gridDim.x) {
-            const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1], seed = a.seeds[r];
-            if (row_ok(a, r, o0, o1, seed, false) && o1 - o0 > WARP_ROW_MAX)
-                scan_row_block<kFp>(a, r, o0, o1, seed, check_pos, sh, written, skipped);
+        // The block's rows r = blockIdx.x + k gridDim.x, a thread each per round: one
+        // round of loads finds the long ones, which the block then takes one by one.
+        __shared__ int s_next;
+        const i64 stride = (i64)gridDim.x * blockDim.x;
+        for (i64 r0 = blockIdx.x; r0 < nrows; r0 += stride) {
+            const i64 r = r0 + (i64)threadIdx.x * gridDim.x;
+            bool is_long = false;
+            if (r < nrows) {
+                const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1];
+                is_long = row_ok(a, r, o0, o1, a.seeds[r], false) && o1 - o0 > WARP_ROW_MAX;
+            }
+            while (__syncthreads_or(is_long)) {
+                if (threadIdx.x == 0) s_next = blockDim.x;
+                __syncthreads();
+                if (is_long) atomicMin(&s_next, (int)threadIdx.x);
+                __syncthreads();
+                const i64 rl = r0 + (i64)s_next * gridDim.x;
+                if ((int)threadIdx.x == s_next) is_long = false;
+                scan_row_block<kFp>(a, rl, a.offsets[rl], a.offsets[rl + 1], a.seeds[rl], check_pos, sh, written,
+                                    skipped);
+            }
         }
     }
 
