@@ -267,7 +267,8 @@ __device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 ro
     const bool live = act && slot != RESERVED_SLOT;
     const bool oor = live && (slot < 0 || slot >= N || prev < -1 || prev >= N);
     const bool chk = live && !oor;
-    const bool fp_sel = kFp && chk && (phase < 0 || pmod(slot, c.period) == phase);
+    // Without sources (kFp false) the expected fingerprint is 0, and it is still checked.
+    const bool fp_sel = chk && (phase < 0 || pmod(slot, c.period) == phase);
     const i64 below = __shfl_up_sync(FULL_MASK, chk ? slot : -1, 1);
     const bool prev_below = lane >= 1 && prev > 0 && below == prev;
     Record r = {}, pr = {};

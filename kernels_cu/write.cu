@@ -144,7 +144,7 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
 #define KVC_WARP_ROW_MAX 128
 #endif
 #ifndef KVC_SCAN_ITEMS
-#define KVC_SCAN_ITEMS 4
+#define KVC_SCAN_ITEMS 2
 #endif
 inline constexpr i64 WARP_ROW_MAX = KVC_WARP_ROW_MAX;
 inline constexpr int SCAN_ITEMS = KVC_SCAN_ITEMS;
