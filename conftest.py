@@ -8,3 +8,6 @@ collect_ignore_glob = [] if importlib.util.find_spec("cupy") else [
     "bench/*.py",
 ]
 collect_ignore_glob += ["examples/*", "build/*", "dist/*", ".venv/*"]
+# The torch.library ops import torch at import time: their doctests need it.
+if not importlib.util.find_spec("torch"):
+    collect_ignore_glob += ["kvcanary_cupy/integrations/torch_ops.py"]
