@@ -1,5 +1,6 @@
-"""``python -m bench``: time plan / verify / write against the memory floor, a bare kernel
-launch and a PyTorch baseline, on one GPU.
+"""``python -m bench``: time plan / verify / plan_and_verify / write and whole monitor steps
+against the memory floor, a random gather, a bare kernel launch, a PyTorch baseline and
+SGLang's figures, on one GPU.
 
 Not part of the installed package: run it from the top of a checkout (which puts
 both ``bench`` and ``kvcanary_cupy`` on the import path), with the package installed
@@ -10,15 +11,17 @@ or not::
 
 Writes a JSON file of every figure, a markdown report (spliced between the
 ``<!-- bench:begin -->`` / ``<!-- bench:end -->`` markers of ``--markdown``), prints
-the report and, last, a short table of the targets. ``--device cpu`` runs the
-harness on the NumPy reference and CPU torch: a check of the harness itself,
-whose figures mean nothing.
+the report and, last, the table of targets: each figure as measured, its limit,
+their ratio and SGLang's figure for the same case (``targets.py``). ``--device cpu``
+runs the harness on the NumPy reference and CPU torch: a check of the harness
+itself, whose figures mean nothing.
 
 Also here: ``python -m bench.monitor_host_overhead`` (host time of the monitor's step
 with bound buffers) and ``python -m bench.selfcheck`` (host time per op against a bare
 launch, verify bandwidth against a copy), both on a GPU; ``probes.cu`` holds the kernels
-the bench times beside the library's, ``torch_baseline.py`` the PyTorch baseline, and
-``README.md`` / ``results.json`` the figures of the last full run.
+the bench times beside the library's, ``torch_baseline.py`` the PyTorch baseline (both
+chain kinds), ``monitor_steps.py`` the monitor the monitor cases run, and ``README.md`` /
+``results.json`` the figures of the last full run.
 
 Nothing here imports CuPy or PyTorch until a run starts.
 """
@@ -31,10 +34,11 @@ import sys
 __all__ = ["main"]
 
 
-DESCRIPTION = ("Time plan / verify / write against the memory floor, a bare kernel launch and a PyTorch "
-               "baseline, on one GPU. Writes every figure as JSON, prints a markdown report and, last, a short "
-               "table of the targets. Needs a CUDA device visible to CuPy; --device cpu runs the harness on the "
-               "NumPy reference and CPU torch instead, a check of the harness whose figures mean nothing.")
+DESCRIPTION = ("Time plan / verify / plan_and_verify / write and whole monitor steps against the memory floor, "
+               "a random gather, a bare kernel launch, a PyTorch baseline and SGLang's figures, on one GPU. Writes "
+               "every figure as JSON, prints a markdown report and, last, the table of targets. Needs a CUDA device "
+               "visible to CuPy; --device cpu runs the harness on the NumPy reference and CPU torch instead, a check "
+               "of the harness whose figures mean nothing.")
 
 
 def _parser() -> argparse.ArgumentParser:

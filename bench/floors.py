@@ -64,6 +64,21 @@ def verify_bytes(*, entries: int, head_reads: int, check_tokens: bool = False, k
     return entries * arrays * PLAN_WORD + (entries + head_reads) * RECORD_BYTES + entries * kv_per_slot
 
 
+def fused_bytes(*, batch: int, entries: int, head_reads: int, index_itemsize: int, table_itemsize: int,
+                lut_itemsize: int = 0, token_itemsize: int = 0, kv_per_slot: int = 0) -> int:
+    """plan_and_verify: plan's reads and verify's records and KV bytes, without the per-entry
+    arrays in between (the fused launch derives each entry where it checks it).
+
+    Reads the row inputs, each table element (through the LUT with a window), each
+    entry's record (a window head's predecessor's besides) and KV bytes, and with the
+    token check (``token_itemsize`` > 0) each entry's expected token; writes the verify
+    plan's offsets and the write plan (offsets and seeds).
+    """
+    reads = 3 * batch * index_itemsize + (entries + head_reads) * (table_itemsize + lut_itemsize + RECORD_BYTES)
+    reads += entries * (token_itemsize + kv_per_slot)
+    return reads + (batch + 1) * PLAN_WORD + (batch + 1) * PLAN_WORD + batch * PLAN_WORD
+
+
 def write_bytes(*, batch: int, tokens: int, seeded_rows: int, index_itemsize: int, kv_per_slot: int = 0) -> int:
     """Write: token ids, positions and slots read, the write plan and seed records read,
     one record written per token, plus the KV bytes hashed."""
@@ -78,16 +93,24 @@ def floor_us(nbytes: int, bandwidth_bytes_per_s: float) -> float:
     return nbytes / bandwidth_bytes_per_s * 1e6
 
 
-def case_bytes(case, pool, *, index_dtype=np.int64, table_dtype=np.int32, lut_dtype=np.int32) -> dict:
-    """``{"plan", "verify", "write"}``: minimum bytes of one step of ``case`` (a ``cases.Case``)
-    on ``pool`` (a ``cases.Pool``), with the bench's array dtypes."""
+def case_bytes(case, pool, *, index_dtype=np.int64, table_dtype=np.int32, lut_dtype=np.int32,
+               token_dtype=np.int64) -> dict:
+    """``{"plan", "verify", "plan_and_verify", "write", "step"}``: minimum bytes of one step of
+    ``case`` (a ``cases.Case``) on ``pool`` (a ``cases.Pool``), with the bench's array dtypes.
+    ``step`` is a monitor's step: plan_and_verify, then write."""
     kv = kv_bytes_per_slot(case.mode, pool.kv_layers, pool.bytes_per_token)
     isz = np.dtype(index_dtype).itemsize
-    return {
+    tsz, lsz = np.dtype(table_dtype).itemsize, np.dtype(lut_dtype).itemsize if case.window else 0
+    out = {
         "plan": plan_bytes(batch=case.batch, entries=case.entries, head_reads=case.head_reads, index_itemsize=isz,
-                           table_itemsize=np.dtype(table_dtype).itemsize,
-                           lut_itemsize=np.dtype(lut_dtype).itemsize if case.window else 0),
-        "verify": verify_bytes(entries=case.entries, head_reads=case.head_reads, kv_per_slot=kv),
+                           table_itemsize=tsz, lut_itemsize=lsz),
+        "verify": verify_bytes(entries=case.entries, head_reads=case.head_reads, check_tokens=case.check_tokens,
+                               kv_per_slot=kv),
+        "plan_and_verify": fused_bytes(batch=case.batch, entries=case.entries, head_reads=case.head_reads,
+                                       index_itemsize=isz, table_itemsize=tsz, lut_itemsize=lsz, kv_per_slot=kv,
+                                       token_itemsize=np.dtype(token_dtype).itemsize if case.check_tokens else 0),
         "write": write_bytes(batch=case.batch, tokens=case.tokens, seeded_rows=case.seeded_rows,
                              index_itemsize=isz, kv_per_slot=kv),
     }
+    out["step"] = out["plan_and_verify"] + out["write"]
+    return out

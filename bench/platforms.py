@@ -134,9 +134,10 @@ class CudaPlatform:
             self._module = probes.module(self.cp)
         return self._module.get_function(name)
 
-    def gather_probe(self, *, n: int, pool_slots: int, slot_bytes: int, runs: int) -> list[dict]:
+    def gather_probe(self, *, n: int, pool_slots: int, slot_bytes: int, runs: int,
+                     orders=("random", "sorted")) -> list[dict]:
         """The fastest read of ``slot_bytes`` at each of ``n`` slots of a ``pool_slots`` pool:
-        slots drawn at random, then the same slots sorted. Bytes = indices + slot bytes."""
+        slots drawn at random, then (``orders``) the same slots sorted. Bytes = indices + slot bytes."""
         cp = self.cp
         words = slot_bytes // 16
         pool = cp.empty(pool_slots * words * 2, dtype=cp.uint64)
@@ -147,7 +148,8 @@ class CudaPlatform:
         k = self._probe("kvc::bench_gather")
         grid = probes.blocks(n, probes.resident_blocks(self.cp, k, self.device_id))
         out = []
-        for order, ix in (("random", idx), ("sorted", cp.sort(idx))):
+        for order in orders:
+            ix = cp.sort(idx) if order == "sorted" else idx
             args = (pool, ix, np.int64(n), np.int64(words), sink)
             t = self.timer.device(lambda _i: k((grid,), (probes.BLOCK,), args), runs=max(runs, 1), warmup=3,
                                   flush=True)
@@ -225,12 +227,14 @@ class CpuPlatform:
         return {"buffer_bytes": nbytes, "bytes_moved": moved, "time_us": t.device_us, "runs": t.runs,
                 "bandwidth_bytes_per_s": moved / (t.device_us * 1e-6), "method": "numpy.copyto"}
 
-    def gather_probe(self, *, n: int, pool_slots: int, slot_bytes: int, runs: int) -> list[dict]:
+    def gather_probe(self, *, n: int, pool_slots: int, slot_bytes: int, runs: int,
+                     orders=("random", "sorted")) -> list[dict]:
         words = slot_bytes // 8
         pool = np.full((pool_slots, words), 0x3C, dtype=np.uint64)
         idx = np.random.default_rng(7).integers(1, pool_slots, size=n)
         out = []
-        for order, ix in (("random", idx), ("sorted", np.sort(idx))):
+        for order in orders:
+            ix = np.sort(idx) if order == "sorted" else idx
             t = self.timer.device(lambda _i: np.bitwise_xor.reduce(pool[ix], axis=None), runs=max(runs, 1), warmup=1)
             moved = n * (GATHER_INDEX_BYTES + slot_bytes)
             out.append({"entries": n, "pool_slots": pool_slots, "slot_bytes": slot_bytes, "order": order,

@@ -1,7 +1,9 @@
-"""Results -> targets, a markdown report, JSON, and the short table printed last.
+"""Results -> targets, a markdown report, JSON, and the short table of targets printed last.
 
 Pure functions of the results dict the runner builds (see ``runner.py`` for its
-shape), so the whole report can be produced and tested from a made-up dict.
+shape), so the whole report can be produced and tested from a made-up dict. The
+targets and SGLang's figures live in ``targets.py``; the standing checks below are
+the earlier targets, still reported beside them.
 """
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ import json
 import math
 import os
 
+from . import targets as T
+
 BEGIN = "<!-- bench:begin -->"
 END = "<!-- bench:end -->"
 MILLION = 1_000_000
+evaluate = T.evaluate  # the targets table (see targets.py)
 
-# The targets the figures are held to.
+# The standing checks.
 FLOOR_LIMIT = 1.3  # plan / verify time over floor at >= 1M entries
 HOST_LIMIT = 1.5  # host time per op over a bare kernel launch
 STEP_HOST_LIMIT_US = 30.0  # CPU time of the three ops of a step
@@ -64,21 +69,24 @@ def _worst_ratio(cases, op):
     return best
 
 
+SEPARATE_OPS = ("plan", "verify", "write")  # a step as the baseline runs it: no fused op
+
+
 def step_device_us(case, side="ops"):
-    """Device time of the ops a case times, summed (None if any is missing)."""
-    ts = [_num(_op(case, op, side).get("device_us")) for op in case.get("timed_ops", ["plan", "verify", "write"])]
+    """Device time of the separate ops a case times (plan, verify, write), summed (None if any is missing)."""
+    timed = [op for op in case.get("timed_ops", SEPARATE_OPS) if op in SEPARATE_OPS]
+    ts = [_num(_op(case, op, side).get("device_us")) for op in timed]
     return None if not ts or any(t is None for t in ts) else sum(ts)
 
 
-def on_cpu(results) -> bool:
-    """Whether the results come from a CPU dry run (``--device cpu``)."""
-    return (results.get("meta") or {}).get("platform") == "cpu"
+on_cpu = T.on_cpu
 
 
-def evaluate(results) -> list[dict]:
-    """The targets: each with its value, limit, PASS / MISS (n/a when not measured) and where it came from.
+def standing_checks(results) -> list[dict]:
+    """The earlier targets: each with its value, limit, PASS / MISS (n/a when not measured) and
+    where it came from.
 
-    Every target is a GPU's: on a CPU dry run each is ``n/a`` with ``note`` "GPU target"
+    Every check is a GPU's: on a CPU dry run each is ``n/a`` with ``note`` "GPU target"
     (its value is still what the dry run measured).
     """
     t = []
@@ -129,26 +137,23 @@ def evaluate(results) -> list[dict]:
 
 
 def write_rows(results) -> list[dict]:
-    """The 16K-token row write, per source: total (ALL), serial chain (NONE), fingerprint part."""
+    """The one-row writes, per source and chain kind: total (ALL), chain only (NONE), fingerprint part."""
     by = {}
     for c in _ok_cases(results):
         if c["group"] != "write_row":
             continue
-        by.setdefault(c["pool_label"], {})[c["mode"]] = _num(_op(c, "write").get("device_us"))
+        row = by.setdefault((c["pool_label"], T.chain_of(c)), {"tokens": c["tokens"]})
+        row[c["mode"]] = _num(_op(c, "write").get("device_us"))
     out = []
     cpu = on_cpu(results)
-    for label, m in by.items():
-        total, chain = m.get("ALL"), m.get("NONE")
-        part = total - chain if total is not None and chain is not None else None
+    for (label, chain), m in by.items():
+        total, alone = m.get("ALL"), m.get("NONE")
+        part = total - alone if total is not None and alone is not None else None
         # On a CPU dry run the two wall-clock times are noisy enough that the total can come out
-        # below the serial chain alone: no fingerprint part can be read from that difference.
+        # below the chain alone: no fingerprint part can be read from that difference.
         noise = cpu and part is not None and part < 0
-        out.append({"source": label, "tokens": None, "all_us": total, "chain_us": chain,
+        out.append({"source": label, "chain": chain, "tokens": m["tokens"], "all_us": total, "chain_us": alone,
                     "fingerprint_us": None if noise else part, "fingerprint_noise": noise})
-    for c in _ok_cases(results):
-        for row in out:
-            if c["group"] == "write_row" and c["pool_label"] == row["source"]:
-                row["tokens"] = c["tokens"]
     return out
 
 
@@ -160,6 +165,12 @@ def _f(x, digits=1):
     if abs(x) >= 1000:
         return f"{x:,.0f}"
     return f"{x:.{digits}f}"
+
+
+def _x(x):
+    """A ratio: ``1.23x``."""
+    x = _num(x)
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def _count(n):
@@ -180,6 +191,11 @@ def _table(header, rows) -> list[str]:
     return out
 
 
+def _section(title: str, header, rows) -> list[str]:
+    """A bold caption, a blank line, the table and a blank line."""
+    return [title, ""] + _table(header, rows) + [""]
+
+
 def _gather_lines(results, bw) -> list[str]:
     """The gather probe: what scattered slots cost before any checking is done."""
     probes = [g for g in results.get("gather") or [] if isinstance(g, dict) and not g.get("error")]
@@ -191,135 +207,239 @@ def _gather_lines(results, bw) -> list[str]:
         rows.append([_count(g.get("entries")), _count(g.get("pool_slots")), f"{g.get('slot_bytes')} B",
                      g.get("order", "?"), _f(g.get("time_us")), _f(gbw / 1e9 if gbw else None, 0),
                      _f(bw / gbw if bw and gbw else None, 2)])
-    lines = ["**Gather probe** (`bench_gather`: read each slot's bytes at n indices and nothing else; bytes = "
-             "8 B index + slot bytes per entry; x copy time = its time over the copy floor of the same bytes)", ""]
-    lines += _table(["entries", "pool slots", "per slot", "slots", "us", "GB/s", "x copy time"], rows)
-    lines.append("")
-    return lines
+    return _section("**Gather probe** (`bench_gather`: read each slot's bytes at n indices and nothing else; bytes = "
+                    "8 B index + slot bytes per entry; x copy time = its time over the copy floor of the same bytes)",
+                    ["entries", "pool slots", "per slot", "slots", "us", "GB/s", "x copy time"], rows)
 
 
-def markdown(results) -> str:
-    """The full report as markdown (what goes between the README's markers)."""
+def _head_lines(results, bw) -> list[str]:
     meta = results.get("meta", {})
     copy = results.get("copy") or {}
-    bw = _num(copy.get("bandwidth_bytes_per_s"))
-    lines = []
-    dev = meta.get("device", "?")
-    lines.append(f"Measured on **{dev}** ({meta.get('platform', '?')}), {meta.get('date', '?')}; "
-                 f"suite `{meta.get('suite', '?')}`, medians of {meta.get('runs', '?')} runs "
-                 f"(baseline: fewer where one call is long, see `runs` in the JSON). "
-                 f"CuPy {meta.get('cupy', '-')}, torch {meta.get('torch', '-')}.")
-    lines.append("")
+    lines = [f"Measured on **{meta.get('device', '?')}** ({meta.get('platform', '?')}), {meta.get('date', '?')}; "
+             f"suite `{meta.get('suite', '?')}`, medians of {meta.get('runs', '?')} runs "
+             f"(baseline: fewer where one call is long, see `runs` in the JSON). "
+             f"CuPy {meta.get('cupy', '-')}, torch {meta.get('torch', '-')}.", ""]
     if on_cpu(results):
-        lines.append("A CPU dry run (`--device cpu`): the harness on the NumPy reference and CPU torch. Its figures "
-                     "are wall-clock times of a CPU, not a GPU's, and the targets apply to a GPU only (n/a here).")
-        lines.append("")
+        lines += ["A CPU dry run (`--device cpu`): the harness on the NumPy reference and CPU torch. Its figures "
+                  "are wall-clock times of a CPU, not a GPU's, and the targets apply to a GPU only (n/a here).", ""]
     if bw is not None:
         lines.append(f"Copy bandwidth (device-to-device copy of {_count(copy.get('buffer_bytes'))}B, bytes read + "
                      f"written): **{bw / 1e9:,.0f} GB/s** ({_f(copy.get('time_us'))} us). Floors below are "
                      "each op's minimum bytes at this bandwidth.")
     elif copy.get("error"):
         lines.append(f"Copy bandwidth: error: {copy['error']}")
-    lines.append("")
-    lines += _gather_lines(results, bw)
+    return lines + [""]
 
+
+def _ops_lines(results) -> list[str]:
     rows = []
     for c in results.get("cases", []):
-        if c.get("error"):
+        if c.get("group") == "monitor":
+            continue
+        if c.get("error") and not any("device_us" in o for o in (c.get("ops") or {}).values()):
             rows.append([c["name"], _count(c.get("entries")), _count(c.get("tokens")), "error", "-", "-", "-",
                          "-", "-", "-"])
             continue
         for op in c.get("timed_ops", []):
             k, b = _op(c, op), _op(c, op, "baseline")
+            if "device_us" not in k:  # this op failed; the case's error says why
+                rows.append([c["name"], _count(c.get("entries")), _count(c.get("tokens")), f"{op}: error", "-", "-",
+                             "-", "-", "-", "-"])
+                continue
             kd, bd = _num(k.get("device_us")), _num(b.get("device_us"))
             rows.append([c["name"], _count(c.get("entries")), _count(c.get("tokens")), op, _f(kd),
                          _f(k.get("floor_us")), _f(k.get("x_floor"), 2), _f(bd), _f(bd / kd if bd and kd else None),
                          f"{_f(k.get('host_us'))} / {_f(b.get('host_us'))}"])
-    lines.append("**Ops** (device time per call; floor = minimum bytes / copy bandwidth; torch = the PyTorch "
-                 "baseline; host = CPU time of the Python call, kvcanary / torch)")
-    lines.append("")
-    lines += _table(["case", "entries", "tokens", "op", "us", "floor us", "x floor", "torch us", "torch / kvc",
+    if not rows:
+        return []
+    return _section("**Ops** (device time per call; floor = minimum bytes / copy bandwidth; torch = the PyTorch "
+                    "baseline, which has no fused op; host = CPU time of the Python call, kvcanary / torch; "
+                    "`plan_and_verify` is the fused op, which writes no per-entry arrays)",
+                    ["case", "entries", "tokens", "op", "us", "floor us", "x floor", "torch us", "torch / kvc",
                      "host us"], rows)
-    lines.append("")
 
+
+def _gather_x(c):
+    """(gather us, step / gather) of a monitor case."""
+    g, t = _num((c.get("gather") or {}).get("time_us")), _num(_op(c, "step").get("device_us"))
+    return g, (t / g if g and t is not None else None)
+
+
+def _monitor_lines(results) -> list[str]:
+    rows = []
+    for c in results.get("cases", []):
+        if c.get("group") != "monitor":
+            continue
+        if c.get("error"):
+            rows.append([c["name"], _count(c.get("entries")), "error", "-", "-", "-", "-", "-"])
+            continue
+        k = _op(c, "step")
+        g, x = _gather_x(c)
+        rows.append([c["name"], _count(c.get("entries")), _f(k.get("device_us")), _f(k.get("floor_us")),
+                     _f(k.get("x_floor"), 2), _f(g), _f(x, 2), _f(k.get("host_us"))])
+    if not rows:
+        return []
+    return _section("**Monitor steps** (`KvCanary.before_forward` + `after_forward`, one new token per row, bound "
+                    "buffers; device time = CUDA events around both calls on the monitor's stream, L2 flushed before "
+                    "each run; gather = `bench_gather` of as many random 32 B records from the same pool; host = CPU "
+                    "time of both calls in the timed runs; NONE = real-KV NONE, no token check; PARTIAL+tokens = "
+                    "real-KV PARTIAL over one 256 B/token source and the token check on)",
+                    ["case", "entries", "step us", "floor us", "x floor", "gather us", "step / gather", "host us"],
+                    rows)
+
+
+def _sglang_lines(results) -> list[str]:
+    """kvcanary beside SGLang's fixed figures, decode at prefix 4096 and the 32 x 16K prefill write."""
+    cases = T.ok_cases(results)
+    if not any(c.get("group") in ("decode", "monitor") for c in cases.values()):
+        return []
+    rows = []
+    for b, (plan, verify, write) in T.SGLANG_DECODE_US.items():
+        d = f"decode b{b} p{T.SGLANG_PREFIX}"
+        ops = [_f(T.scan_op_us(cases, d, op)) for op in ("plan", "verify", "plan_and_verify", "write")]
+        step = T.scan_op_us(cases, T.monitor_name(b), "step")
+        full = T.scan_op_us(cases, T.monitor_name(b, label="PARTIAL+tokens"), "step")
+        sg = T.sglang_step_us(b)
+        rows.append([b, _f(plan), _f(verify), _f(write), _f(sg), *ops, _f(step),
+                     _x(step / sg if step is not None else None), _f(full)])
+    lines = _section(f"**Beside SGLang** (decode, prefix {T.SGLANG_PREFIX}, device us. SGLang's figures are fixed: "
+                     f"{T.SGLANG_METHOD}. kvcanary's: the ops cases `decode bN p4096` and the monitor steps above)",
+                     ["batch", "SGLang plan", "SGLang verify", "SGLang write", "SGLang step", "plan", "verify",
+                      "plan_and_verify", "write", "monitor step", "step / SGLang step", "step, PARTIAL+tokens"], rows)
+    prow = []
+    for (b, e), sg in T.SGLANG_PREFILL_WRITE_US.items():
+        scan = T.scan_op_us(cases, f"prefill b{b} e{e}", "write")
+        v1 = T.op_us(cases.get(f"prefill b{b} e{e} sglang"), "write")
+        prow.append([f"{b} x {e}", _f(sg), _f(scan), _x(scan / sg if scan is not None else None), _f(v1)])
+    return lines + _section("**Prefill write beside SGLang** (device us; kvcanary on the scan chain and on the v1 "
+                            "chain, SGLang's records)",
+                            ["batch x tokens", "SGLang", "scan chain", "scan / SGLang", "v1 chain"], prow)
+
+
+def _host_lines(results) -> list[str]:
     host = results.get("host") or {}
     if host.get("error"):
-        lines.append(f"Host overhead: error: {host['error']}")
-    elif host:
-        bare = _num(host.get("bare_launch_us"))
+        return [f"Host overhead: error: {host['error']}", ""]
+    if not host:
+        return []
+    bare = _num(host.get("bare_launch_us"))
 
-        def xb(v):
-            v = _num(v)
-            return _f(v / bare, 2) if v is not None and bare else "-"
+    def xb(v):
+        v = _num(v)
+        return _f(v / bare, 2) if v is not None and bare else "-"
 
-        hb = host.get("baseline") or {}
-        hrows = [["bare RawKernel launch, no args", _f(bare, 2), "1.00", "-"],
-                 ["bare RawKernel launch, 8 args", _f(host.get("bare_launch_args_us"), 2),
-                  xb(host.get("bare_launch_args_us")), "-"]]
-        for op in ("plan", "verify", "write"):
-            hrows.append([op, _f(host.get(f"{op}_us"), 2), xb(host.get(f"{op}_us")), _f(hb.get(f"{op}_us"), 1)])
-        hrows.append(["step: plan + verify + write", _f(host.get("step_us"), 2), xb(host.get("step_us")),
-                      _f(hb.get("step_us"), 1)])
-        if host.get("graph_error"):
-            hrows.append(["graph replay of a step", f"error: {host['graph_error']}", "-", "-"])
-        else:
-            hrows.append(["graph replay of a step (launch call)", _f(host.get("graph_replay_host_us"), 2),
-                          xb(host.get("graph_replay_host_us")), "-"])
-        lines.append(f"**Host overhead** (CPU us per call, median of {host.get('calls', '?')} calls, "
-                     f"`{host.get('case', '?')}`, buffers imported once, no sync per call)")
-        lines.append("")
-        lines += _table(["call", "us", "x bare", "torch us"], hrows)
-        lines.append("")
-        lines.append(f"Device time of a step: eager {_f(host.get('step_device_us'))} us, "
-                     f"one graph replay {_f(host.get('graph_replay_device_us'))} us.")
-        lines.append("")
+    hb = host.get("baseline") or {}
+    rows = [["bare RawKernel launch, no args", _f(bare, 2), "1.00", "-"],
+            ["bare RawKernel launch, 8 args", _f(host.get("bare_launch_args_us"), 2),
+             xb(host.get("bare_launch_args_us")), "-"]]
+    for op in ("plan", "verify", "plan_and_verify", "write"):
+        rows.append([op, _f(host.get(f"{op}_us"), 2), xb(host.get(f"{op}_us")), _f(hb.get(f"{op}_us"), 1)])
+    rows.append(["step: plan + verify + write", _f(host.get("step_us"), 2), xb(host.get("step_us")),
+                 _f(hb.get("step_us"), 1)])
+    rows.append(["step: plan_and_verify + write", _f(host.get("fused_step_us"), 2), xb(host.get("fused_step_us")),
+                 "-"])
+    if host.get("graph_error"):
+        rows.append(["graph replay of a step", f"error: {host['graph_error']}", "-", "-"])
+    else:
+        rows.append(["graph replay of a step (launch call)", _f(host.get("graph_replay_host_us"), 2),
+                     xb(host.get("graph_replay_host_us")), "-"])
+    lines = _section(f"**Host overhead** (CPU us per call, median of {host.get('calls', '?')} calls, "
+                     f"`{host.get('case', '?')}`, buffers imported once, no sync per call)",
+                     ["call", "us", "x bare", "torch us"], rows)
+    lines += [f"Device time of a step: eager {_f(host.get('step_device_us'))} us, "
+              f"one graph replay {_f(host.get('graph_replay_device_us'))} us.", ""]
+    return lines + _monitor_host_lines(results.get("monitor_host") or {})
 
+
+def _monitor_host_lines(mh: dict) -> list[str]:
+    if not mh:
+        return []
+    if mh.get("error"):
+        return [f"Monitor host time: error: {mh['error']}", ""]
+    replay = (f"error: {mh['graph_error']}" if mh.get("graph_error") else
+              f"{_f(mh.get('graph_replay_host_us'), 2)} us (its device time {_f(mh.get('graph_replay_device_us'))} us)")
+    return [f"Monitor step `{mh.get('case', '?')}`, CPU us (median of {mh.get('calls', '?')} steps, bound buffers): "
+            f"eager `before_forward` + `after_forward` {_f(mh.get('eager_step_us'), 2)} us; a CUDA graph replay's "
+            f"launch call {replay}.", ""]
+
+
+def _write_row_lines(results) -> list[str]:
     wr = write_rows(results)
-    if wr:
-        noise = any(r["fingerprint_noise"] for r in wr)
-        lines.append("**Write of one 16K-token row** (device us; the serial chain is the real-KV NONE variant"
-                     + ("; fingerprint part n/a: the total came out below the serial chain alone, wall-clock noise)"
-                        if noise else ")"))
-        lines.append("")
-        lines += _table(["source", "tokens", "total, real-KV ALL", "serial chain", "fingerprint part"],
-                        [[r["source"], _count(r["tokens"]), _f(r["all_us"]), _f(r["chain_us"]),
-                          "n/a" if r["fingerprint_noise"] else _f(r["fingerprint_us"])] for r in wr])
-        lines.append("")
+    if not wr:
+        return []
+    noise = any(r["fingerprint_noise"] for r in wr)
+    return _section("**Write of one row** (device us; the chain alone is the real-KV NONE variant; scan = format v2, "
+                    "the default; sglang = the v1 chain, serial"
+                    + ("; fingerprint part n/a: the total came out below the chain alone, wall-clock noise)"
+                       if noise else ")"),
+                    ["source", "chain", "tokens", "total, real-KV ALL", "chain alone", "fingerprint part"],
+                    [[r["source"], r["chain"], _count(r["tokens"]), _f(r["all_us"]), _f(r["chain_us"]),
+                      "n/a" if r["fingerprint_noise"] else _f(r["fingerprint_us"])] for r in wr])
 
-    lines.append("**Targets**")
-    lines.append("")
-    lines += _table(["target", "value", "limit", "result", "where"], _target_rows(results))
-    notes = list(meta.get("notes", []))
+
+def markdown(results) -> str:
+    """The full report as markdown (what goes between the README's markers)."""
+    bw = _num((results.get("copy") or {}).get("bandwidth_bytes_per_s"))
+    lines = _head_lines(results, bw)
+    lines += _gather_lines(results, bw)
+    lines += _ops_lines(results)
+    lines += _monitor_lines(results)
+    lines += _sglang_lines(results)
+    lines += _host_lines(results)
+    lines += _write_row_lines(results)
+    lines += _section("**Targets** (measured, its limit and the ratio of the two: 1.00x or less meets it; SGLang = "
+                      "SGLang's figure for the same case)",
+                      ["#", "target", "case", "measured", "limit", "ratio", "SGLang us", "result", "detail"],
+                      [r[:7] + [f"**{r[7]}**", r[8]] for r in _target_rows(results)])
+    lines += ["**Standing checks** (the earlier targets)", ""]
+    lines += _table(["check", "value", "limit", "result", "where"], _check_rows(results))
+    notes = list(results.get("meta", {}).get("notes", []))
     if notes:
         lines.append("")
         lines += [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
 
-def _target_rows(results):
+def _result(t) -> str:
+    return f"{t['result']} ({t['note']})" if t.get("note") else t["result"]
+
+
+def _us(v) -> str:
+    return "-" if _num(v) is None else f"{_f(v)} us"
+
+
+def _target_rows(results) -> list[list]:
+    """[#, target, case, measured, limit, ratio, SGLang us, result, detail] per target."""
     rows = []
     for t in results.get("targets") or evaluate(results):
+        rows.append([t["id"], t["target"], t["case"], _us(t["value"]), _us(t["limit"]), _x(t["ratio"]),
+                     _f(t.get("sglang_us")), _result(t), t.get("detail", "")])
+    return rows
+
+
+def _check_rows(results) -> list[list]:
+    rows = []
+    for t in results.get("checks") or standing_checks(results):
         unit = t.get("unit", "x")
         val = "-" if t["value"] is None else (f"{t['value']:.2f}{unit}" if unit == "x" else f"{t['value']:.1f} {unit}")
         lim = f"{t['limit']}{unit}" if unit == "x" else f"{t['limit']} {unit}"
-        result = f"{t['result']} ({t['note']})" if t.get("note") else t["result"]
-        rows.append([t["target"], val, lim, f"**{result}**", t["detail"]])
+        rows.append([t["target"], val, lim, f"**{_result(t)}**", t["detail"]])
     return rows
 
 
 def summary(results) -> str:
-    """The short table printed last on stdout."""
-    copy = results.get("copy") or {}
-    bw = _num(copy.get("bandwidth_bytes_per_s"))
+    """The short table of targets, printed last on stdout (the result last on each line)."""
+    bw = _num((results.get("copy") or {}).get("bandwidth_bytes_per_s"))
     head = f"copy bandwidth: {bw / 1e9:,.0f} GB/s" if bw else "copy bandwidth: -"
     errs = [c["name"] for c in results.get("cases", []) if c.get("error")]
-    rows = [[r[0], r[1], r[2], r[3].strip("*")] for r in _target_rows(results)]
-    w = [max(len(str(r[i])) for r in rows + [["target", "value", "limit", "result"]]) for i in range(4)]
+    header = ["#", "target", "case", "measured", "limit", "ratio", "SGLang us", "result"]
+    rows = [r[:8] for r in _target_rows(results)]
+    w = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
 
     def line(r):
-        return "  ".join(str(c).ljust(w[i]) for i, c in enumerate(r))
+        return "  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)).rstrip()
 
-    out = [head, line(["target", "value", "limit", "result"]), line(["-" * x for x in w])]
+    out = [head, line(header), line(["-" * x for x in w])]
     out += [line(r) for r in rows]
     if errs:
         out.append(f"cases with errors ({len(errs)}): " + ", ".join(errs))

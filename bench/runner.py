@@ -1,9 +1,13 @@
 """Runs a :class:`~.cases.Suite` on a platform and returns the results dict.
 
 Order: copy bandwidth, gather probe, host overhead (small step, objects allocated once, graph
-replay), then the cases pool by pool (each pool's canary and KV source are
-allocated once, freed after). Every case is guarded: an error is recorded in
-its entry (message and traceback tail) and the run goes on.
+replay), then the cases pool by pool (each pool's canaries, one per chain kind its
+cases use, and KV source are allocated once, freed after). The monitor pool runs
+whole monitor steps instead (``monitor_steps``): one monitor per configuration, each
+step timed with events around ``before_forward`` + ``after_forward``, the gather probe
+of as many random records as the step verifies, and the host time of a step (eager
+and graph replay). Every case is guarded: an error is recorded in its entry (message
+and traceback tail) and the run goes on.
 
 Results dict::
 
@@ -11,15 +15,18 @@ Results dict::
     copy   buffer_bytes, bytes_moved, time_us, bandwidth_bytes_per_s
     gather [{entries, pool_slots, slot_bytes, order (random | sorted), bytes, time_us, runs,
             bandwidth_bytes_per_s}]
-    host   bare_launch_us, bare_launch_args_us, plan_us, verify_us, write_us,
-           step_us, step_device_us, graph_replay_host_us, graph_replay_device_us,
-           baseline {plan_us, verify_us, write_us, step_us}
-    cases  [{name, group, batch, prefix, extend, window, mode, kv_layers, pool_label,
+    host   bare_launch_us, bare_launch_args_us, plan_us, verify_us, plan_and_verify_us, write_us,
+           step_us, fused_step_us (plan_and_verify + write), step_device_us, graph_replay_host_us,
+           graph_replay_device_us, baseline {plan_us, verify_us, write_us, step_us}
+    monitor_host  case, batch, prefix, calls, eager_step_us, graph_replay_host_us, graph_replay_device_us
+                  (or graph_error) | {case, error}
+    cases  [{name, group, batch, prefix, extend, window, mode, chain, check_tokens, kv_layers, pool_label,
              entries, tokens, sets, set_bytes, l2_flush, pool_slots, timed_ops,
              ops {op: {device_us, host_us, runs, bytes, floor_us, x_floor}},
+             gather {entries, pool_slots, time_us} (monitor cases),
              baseline {ops {...}, agrees {...}} | {skipped} | {error},
              checks {violations, requested, enable, input_errors}, error}]
-    targets  see report.evaluate
+    targets  see report.evaluate; checks: see report.standing_checks
 """
 from __future__ import annotations
 
@@ -31,10 +38,10 @@ import traceback
 import numpy as np
 
 from kvcanary_cupy import CanaryBuffer, FailReason, LaunchTag, RealKvMode, ViolationLog
-from kvcanary_cupy.format import VIOLATION_COLUMNS
+from kvcanary_cupy.format import RECORD_BYTES, VIOLATION_COLUMNS
 
 from . import cases as C
-from . import floors, report, workloads
+from . import floors, monitor_steps, report, workloads
 from .timing import median
 
 LOG_CAPACITY = 4096
@@ -71,6 +78,7 @@ class Runner:
         self.say = say or (lambda s: print(s, file=sys.stderr, flush=True))
         self.t0 = time.monotonic()
         self.bw = 0.0
+        self.monitor_host = {}
         self.torch_note = None
         self.baseline = baseline and self._torch_ok()
 
@@ -133,10 +141,14 @@ class Runner:
         self._free()
         for pool in s.pools:
             group = [c for c in s.cases if c.pool == pool.name]
-            if group:
+            if group and all(c.group == "monitor" for c in group):
+                res["cases"] += self.run_monitor_pool(pool, group)
+            elif group:
                 res["cases"] += self.run_pool(pool, group)
+        res["monitor_host"] = self.monitor_host
         meta["elapsed_s"] = round(self.elapsed(), 1)
         res["targets"] = report.evaluate(res)
+        res["checks"] = report.standing_checks(res)
         return res
 
     # --- host overhead ----------------------------------------------------------------
@@ -169,6 +181,7 @@ class Runner:
 
         out["step_us"] = median(timer.host(step, calls=H))
         out["sum_us"] = out["plan_us"] + out["verify_us"] + out["write_us"]
+        self._fused_host(out, calls, H)
         out["step_device_us"] = timer.device(lambda _i: step(), runs=s.runs, warmup=3).device_us
         try:
             replay = p.capture(step)
@@ -190,6 +203,19 @@ class Runner:
                 out["baseline"] = {"error": _short(e), "traceback": _err(e)}
         return out
 
+    def _fused_host(self, out: dict, calls: dict, H: int) -> None:
+        """Host us of the fused op alone and of a step through it (plan_and_verify + write);
+        an error is recorded beside the other figures, which stand."""
+        def fused_step():
+            calls["plan_and_verify"]()
+            calls["write"]()
+
+        try:
+            out["plan_and_verify_us"] = median(self.p.timer.host(calls["plan_and_verify"], calls=H))
+            out["fused_step_us"] = median(self.p.timer.host(fused_step, calls=H))
+        except Exception as e:  # noqa: BLE001
+            out["plan_and_verify_error"] = _short(e)
+
     def _baseline_host(self, inst, canary, calls: int) -> dict:
         import torch  # noqa: PLC0415
 
@@ -200,7 +226,7 @@ class Runner:
         ti = workloads.torch_instance(inst, dev)
         trec = torch.from_dlpack(canary.records).clone()
         tlog = tb.TorchLog.allocate(capacity=LOG_CAPACITY, device=dev)
-        tc = workloads.torch_calls(ti, trec, tlog)
+        tc = workloads.torch_calls(ti, trec, tlog, chain=canary.chain)
         timer = self.p.torch_timer()
         n = max(10, min(calls, 100))  # each call synchronizes several times: fewer calls suffice
         out = {f"{op}_us": median(timer.host(tc[op], calls=n, warmup=3)) for op in ("plan", "verify", "write")}
@@ -226,7 +252,8 @@ class Runner:
         ctx = {}
         try:
             self.say(f"[bench] pool {pool.name}: {N:,} slots" + (f", KV {label}" if pool.kv_layers else ""))
-            ctx["canary"] = CanaryBuffer.allocate(num_slots=N, device=p.device)
+            ctx["canaries"] = {chain: CanaryBuffer.allocate(num_slots=N, device=p.device, chain=chain)
+                               for chain in sorted({c.chain for c in group})}
             ctx["log"] = ViolationLog.allocate(capacity=LOG_CAPACITY, device=p.device)
             ctx["rs"] = workloads.random_state(xp, 20240 + len(pool.name))
             ctx["sources"] = ()
@@ -261,11 +288,94 @@ class Runner:
         self._free()
         return out
 
+    # --- monitor steps --------------------------------------------------------------------
+    def run_monitor_pool(self, pool: C.Pool, group) -> list[dict]:
+        """Whole monitor steps: one monitor per configuration (see ``monitor_steps``)."""
+        N, plans = C.layout(self.suite, pool, self.p.rotation_l2())
+        label = f"{pool.kv_layers}x{pool.bytes_per_token}B" if pool.kv_layers else "none"
+        self.say(f"[bench] pool {pool.name}: {N:,} slots, monitor steps")
+        gathers = {}  # entries -> the gather probe of that many random records, measured once
+        out = []
+        configs = {}
+        for c in group:
+            configs.setdefault(monitor_steps.config_of(c), []).append(c)
+        for cases in configs.values():
+            entries = [self._entry(c, pool, label, N) | {"sets": plans[c.name][0], "l2_flush": plans[c.name][1],
+                                                          "baseline": {"skipped": "a monitor step has no baseline"}}
+                       for c in cases]
+            try:
+                self._run_monitor_config(pool, N, cases, entries, gathers)
+            except Exception as e:  # noqa: BLE001
+                for entry in entries:
+                    if not entry["ops"] and not entry["error"]:
+                        entry["error"] = f"monitor setup: {_short(e)}"
+                        entry["traceback"] = _err(e)
+                self.say(f"[bench] monitor {cases[0].name}: ERROR {_short(e)}")
+            self._free()
+            out += entries
+        return out
+
+    def _run_monitor_config(self, pool: C.Pool, N: int, cases, entries, gathers: dict) -> None:
+        s, p, xp = self.suite, self.p, self.xp
+        first = cases[0]
+        rs = workloads.random_state(xp, 31337 + first.prefix)
+        kv = workloads.make_kv(xp, pool.kv_layers, N, pool.bytes_per_token) if first.mode != "NONE" else None
+        sources = (workloads.kv_source(kv),) if kv is not None else ()
+        setup = monitor_steps.build(xp, p.device, batch=max(c.batch for c in cases), prefix=first.prefix,
+                                    num_slots=N, rs=rs, sources=sources, mode=first.mode,
+                                    check_tokens=first.check_tokens, stream=self._stream())
+        p.sync()
+        for c, entry in zip(cases, entries):
+            if self.elapsed() > s.hard_deadline_s:
+                entry["error"] = f"skipped: past the {s.hard_deadline_s:.0f} s budget"
+                continue
+            try:
+                self._monitor_case(c, pool, setup, entry, gathers, N)
+            except Exception as e:  # noqa: BLE001
+                entry["error"] = _short(e)
+                entry["traceback"] = _err(e)
+                self.say(f"[bench] {c.name}: ERROR {_short(e)}")
+        hosts = [c for c in cases if c.batch == s.monitor_host_batch and c.mode == "NONE" and not c.check_tokens]
+        if hosts and not self.monitor_host:
+            try:
+                self.monitor_host = monitor_steps.host_figures(setup, hosts[0].batch, timer=p.timer, calls=s.host_calls,
+                                                               runs=s.runs, capture=p.capture)
+                self.monitor_host["case"] = hosts[0].name
+                self.say(f"[bench] monitor host: eager step {self.monitor_host['eager_step_us']:.1f} us")
+            except Exception as e:  # noqa: BLE001
+                self.monitor_host = {"error": _short(e), "traceback": _err(e), "case": hosts[0].name}
+        del setup, kv
+
+    def _monitor_case(self, c: C.Case, pool: C.Pool, setup, entry: dict, gathers: dict, N: int) -> None:
+        s, p = self.suite, self.p
+        t_case = time.monotonic()
+        before = setup.checks()["violations"]
+        step = setup.step(c.batch)
+        t = p.timer.device(lambda _i: step(), runs=s.runs, warmup=3, flush=True, budget_s=s.op_budget_s)
+        nbytes = self.bytes_of(c, pool)["step"]
+        fl = floors.floor_us(nbytes, self.bw)
+        entry["ops"]["step"] = t.as_dict() | {"bytes": nbytes, "floor_us": fl,
+                                              "x_floor": t.device_us / fl if fl and fl == fl else None}
+        entry["set_bytes"] = nbytes
+        checks = setup.checks()
+        entry["checks"] = checks | {"violations": checks["violations"] - before, "expected_entries": c.entries}
+        if c.entries not in gathers:
+            gathers[c.entries] = self.p.gather_probe(n=c.entries, pool_slots=N, slot_bytes=RECORD_BYTES, runs=s.runs,
+                                                     orders=("random",))[0]
+        g = gathers[c.entries]
+        entry["gather"] = {"entries": g["entries"], "pool_slots": g["pool_slots"], "time_us": g["time_us"],
+                           "runs": g["runs"]}
+        entry["wall_s"] = round(time.monotonic() - t_case, 2)
+        self.say(f"[bench] {c.name}: step {t.device_us:.1f} us (gather {g['time_us']:.1f} us); "
+                 f"violations {entry['checks']['violations']}")
+
     def _entry(self, c: C.Case, pool: C.Pool, label: str, N: int) -> dict:
+        verifies = "verify" in c.ops or c.group == "monitor"
         return {"name": c.name, "group": c.group, "batch": c.batch, "prefix": c.prefix, "extend": c.extend,
-                "window": c.window, "mode": c.mode, "kv_layers": pool.kv_layers,
+                "window": c.window, "mode": c.mode, "chain": c.chain, "check_tokens": c.check_tokens,
+                "kv_layers": pool.kv_layers,
                 "bytes_per_token": pool.bytes_per_token if pool.kv_layers else 0, "pool_label": label,
-                "entries": c.entries if "verify" in c.ops else 0, "tokens": c.tokens, "pool_slots": N,
+                "entries": c.entries if verifies else 0, "tokens": c.tokens, "pool_slots": N,
                 "timed_ops": list(c.ops), "ops": {}, "set_bytes": None, "error": None}
 
     @staticmethod
@@ -278,7 +388,7 @@ class Runner:
         s, p, xp = self.suite, self.p, self.xp
         t_case = time.monotonic()
         k, flush = entry["sets"], entry["l2_flush"]
-        canary, log, rs = ctx["canary"], ctx["log"], ctx["rs"]
+        canary, log, rs = ctx["canaries"][c.chain], ctx["log"], ctx["rs"]
         mode = RealKvMode[c.mode]
         sources = ctx["sources"]
         high = C.draw_range(c, k, pool)
@@ -291,7 +401,7 @@ class Runner:
             workloads.populate(xp, p.device, inst, canary, log, rs, sources=sources, mode=mode, stream=self._stream())
         p.sync()
         log.clear(self._stream())
-        entry["set_bytes"] = sum(self.bytes_of(c, pool).values())
+        entry["set_bytes"] = C.set_bytes(c, pool)
         calls = [workloads.op_calls(inst, canary, log, sources=sources, mode=mode, stream=self._stream())
                  for inst in insts]
         for cl in calls:  # every set planned before verify / write are timed
@@ -299,12 +409,20 @@ class Runner:
         p.sync()
 
         nbytes = self.bytes_of(c, pool)
-        for op in c.ops:
-            t = p.timer.device(lambda i, op=op: calls[i % k][op](), runs=s.runs, warmup=max(3, k), flush=flush,
-                               budget_s=s.op_budget_s)
+        failed = []
+        for op in c.ops:  # one op failing (say, one a backend lacks) keeps the others' figures
+            try:
+                t = p.timer.device(lambda i, op=op: calls[i % k][op](), runs=s.runs, warmup=max(3, k), flush=flush,
+                                   budget_s=s.op_budget_s)
+            except Exception as e:  # noqa: BLE001
+                entry["ops"][op] = {"error": _short(e), "traceback": _err(e)}
+                failed.append(f"{op}: {_short(e)}")
+                continue
             fl = floors.floor_us(nbytes[op], self.bw)
             entry["ops"][op] = t.as_dict() | {"bytes": nbytes[op], "floor_us": fl,
                                               "x_floor": t.device_us / fl if fl and fl == fl else None}
+        if failed:
+            entry["error"] = "; ".join(failed)
         p.sync()
         sc = insts[0].vp.host_scalars()
         entry["checks"] = {"violations": log.count, "requested": sc["requested"], "enable": sc["enable"],
@@ -318,7 +436,8 @@ class Runner:
                 cl["verify"]()
             p.sync()
             entry["checks"]["violations_after_write"] = log.count - before
-        line = ", ".join(f"{op} {entry['ops'][op]['device_us']:.1f} us" for op in c.ops)
+        line = ", ".join(f"{op} {entry['ops'][op]['device_us']:.1f} us" if "device_us" in entry["ops"][op]
+                         else f"{op} ERROR" for op in c.ops)
         self.say(f"[bench] {c.name}: {line}; violations {log.count}")
 
         if not c.baseline or not self.baseline:
@@ -350,13 +469,14 @@ class Runner:
         tlog = tb.TorchLog.allocate(capacity=LOG_CAPACITY, device=dev)
         tsrc = [tb.TorchKvSource.from_source(src) for src in sources]
         tis = [workloads.torch_instance(inst, dev) for inst in insts]
-        tcs = [workloads.torch_calls(ti, trec, tlog, sources=tsrc, mode=mode, window=c.window) for ti in tis]
+        tcs = [workloads.torch_calls(ti, trec, tlog, sources=tsrc, mode=mode, window=c.window, chain=canary.chain)
+               for ti in tis]
         for tc in tcs:
             tc["plan"]()
         timer = p.torch_timer()
         res = {"ops": {}, "agrees": {}}
         by_op = {}
-        for op in c.ops:
+        for op in (op for op in c.ops if op in tcs[0]):  # the baseline has no fused op
             before = int(tlog.head[0])
             t = timer.device(lambda i, op=op: tcs[i % k][op](), runs=s.runs, warmup=2, flush=flush,
                              budget_s=s.baseline_budget_s)

@@ -1,14 +1,18 @@
 """The PyTorch baseline: plan, verify and write with stock tensor ops, no custom kernels.
 
 This is what an engine team would write on its own: ``repeat_interleave`` /
-``cumsum`` / gathers for the plan, masked gathers for verify, and the serial
-write chain vectorized across rows with a Python loop over token index. It
-computes the same bytes as the NumPy reference (``tests/test_torch_baseline.py``
-checks plan entries, records and violation rows on random, corrupted inputs)
-and is timed beside kvcanary by the bench.
+``cumsum`` / gathers for the plan, masked gathers for verify, and the write
+chain vectorized across rows: for the ``"scan"`` chain (the default) a
+Hillis-Steele scan of affine maps over each row's tokens, for the ``"sglang"``
+chain, serial by definition, a Python loop over token index. It computes the
+same bytes as the NumPy reference for both chain kinds
+(``tests/test_torch_baseline.py`` checks plan entries, records and violation
+rows on random, corrupted inputs) and is timed beside kvcanary by the bench.
 
 Hashes run in torch int64: multiplication wraps identically in two's complement,
 and a logical right shift is an arithmetic one masked to the low ``64 - k`` bits.
+Torch has no 128-bit product, so the scan chain's multiply mod ``2**61 - 1`` is
+done in 32-bit pieces whose partial products fit int64 (see :func:`mulmod61`).
 
 Like a straightforward implementation, it reads a few sizes back to the host
 (``int(tensor)``), so it synchronizes the device several times per call; that
@@ -38,6 +42,9 @@ def _i64(u: int) -> int:
 _M1 = _i64(fmt.SPLITMIX_MUL1)
 _M2 = _i64(fmt.SPLITMIX_MUL2)
 ANCHOR_HASH_I64 = _i64(fmt.ANCHOR_HASH)
+_P61 = fmt.P61  # < 2**63: a plain positive int64
+_M32 = (1 << 32) - 1
+_M29 = (1 << 29) - 1
 _FP_BLOCK = 1 << 22  # entries fingerprinted per block: bounds the gathered bytes
 
 _CHAIN = int(fmt.FailReason.CHAIN)
@@ -70,6 +77,53 @@ def splitmix64(x):
 def mix3(a, b, c):
     """``splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)`` on int64 tensors."""
     return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)
+
+
+def reduce61(x):
+    """``x mod P61`` for int64 tensors holding any uint64 bits.
+
+    ``2**61 = 1`` mod P61, so the top three bits fold onto the low 61: the sum is at
+    most ``P61 + 7``, and one conditional subtraction finishes.
+    """
+    x = (x & _P61) + ((x >> 61) & 7)
+    return _torch().where(x >= _P61, x - _P61, x)
+
+
+def mulmod61(a, b):
+    """``a * b mod P61`` for int64 tensors (or a Python int ``a``) with ``0 <= a, b < P61``.
+
+    With ``a = a1 2**32 + a0`` (``a1 < 2**29``): ``a1 b1 2**64 = 8 a1 b1`` and
+    ``mid 2**32 = (mid >> 29) 2**61 + (mid & (2**29 - 1)) 2**32`` mod P61; every
+    partial product but ``a0 b0`` fits int64, and ``a0 b0`` wraps to its uint64
+    bits, which :func:`reduce61` reads as such.
+    """
+    a1, a0, b1, b0 = a >> 32, a & _M32, b >> 32, b & _M32
+    mid = a1 * b0 + a0 * b1  # < 2**62
+    hi = (a1 * b1) << 3  # < 2**61
+    mid = (mid >> 29) + ((mid & _M29) << 32)
+    return reduce61(reduce61(reduce61(a0 * b0) + hi) + reduce61(mid))
+
+
+def scan_term(token, position):
+    """``splitmix64(splitmix64(token) ^ position) mod P61``: what a record adds to the scan chain."""
+    return reduce61(splitmix64(splitmix64(token) ^ position))
+
+
+def check_chain(chain: str) -> str:
+    """``chain`` if it names a chain kind, else a ``kvcanary:`` error (as the library's)."""
+    return fmt.check_chain(chain)
+
+
+def first_link(chain: str) -> int:
+    """The link of a sequence's first record, as int64 bits."""
+    return _i64(fmt.first_link(chain))
+
+
+def next_link(link, token, position, chain: str):
+    """The link a record's successor stores, from the record's fields (int64 tensors)."""
+    if chain == fmt.CHAIN_SGLANG:
+        return mix3(link, token, position)
+    return reduce61(mulmod61(fmt.SCAN_MUL, reduce61(link)) + scan_term(token, position))
 
 
 # --- owned objects -------------------------------------------------------------
@@ -190,9 +244,46 @@ def _rows(torch, n, device, **cols):
     return out
 
 
-def _link_of(rec):
+def _link_of(rec, chain: str):
     """next_link of gathered records ``[n, 4]``."""
-    return mix3(rec[:, fmt.FIELD_LINK], rec[:, fmt.FIELD_TOKEN], rec[:, fmt.FIELD_POSITION])
+    return next_link(rec[:, fmt.FIELD_LINK], rec[:, fmt.FIELD_TOKEN], rec[:, fmt.FIELD_POSITION], chain)
+
+
+def _serial_links(running, toks, poss, stored):
+    """Links stored by each token of padded rows ``[nrows, L]``, ``"sglang"`` chain: one
+    token of every row at a time (the chain is serial within a row). ``running`` is each
+    row's first link; a token that is not stored leaves the chain where it was."""
+    torch = _torch()
+    out = torch.empty_like(toks)
+    for j in range(int(toks.shape[1])):
+        out[:, j] = running
+        running = torch.where(stored[:, j], mix3(running, toks[:, j], poss[:, j]), running)
+    return out
+
+
+def _scan_links(running, toks, poss, stored):
+    """Links stored by each token of padded rows ``[nrows, L]``, ``"scan"`` chain.
+
+    Each stored token is the map ``x -> SCAN_MUL x + scan_term`` mod P61 (a skipped one
+    the identity); a Hillis-Steele scan composes the maps of each row's tokens in
+    ``log2(L)`` steps, and a token stores its row's first link put through the maps of
+    the tokens before it.
+    """
+    torch = _torch()
+    a = torch.where(stored, torch.full_like(toks, fmt.SCAN_MUL), 1)
+    b = torch.where(stored, scan_term(toks, poss), 0)
+    L = int(toks.shape[1])
+    d = 1
+    while d < L:
+        # token k takes in token k - d: (a_k, b_k) o (a_{k-d}, b_{k-d})
+        na = mulmod61(a[:, d:], a[:, :-d])
+        nb = reduce61(mulmod61(a[:, d:], b[:, :-d]) + b[:, d:])
+        a = torch.cat([a[:, :d], na], dim=1)
+        b = torch.cat([b[:, :d], nb], dim=1)
+        d *= 2
+    x0 = reduce61(running)[:, None]
+    before = reduce61(mulmod61(a[:, :-1], x0.expand(-1, L - 1)) + b[:, :-1])  # maps of tokens 0..j-1
+    return torch.cat([running[:, None], before], dim=1)
 
 
 def fingerprints(sources, mode: int, slots):
@@ -342,8 +433,23 @@ def plan(vp: TorchVerifyPlan | None, wp: TorchWritePlan | None, *, req_pool_indi
 
 
 # --- write ---------------------------------------------------------------------
+def _position_check(torch, wp: TorchWritePlan, stored, poss, has_seed, seed_pos):
+    """(position bad, expected position column) of padded rows ``[nrows, L]``: each stored
+    token's position must follow the previous stored token's in its row (the seed
+    record's before the first); a row without a seed does not check its first token."""
+    L = int(stored.shape[1])
+    jj = torch.arange(L, device=stored.device).expand_as(stored)
+    last = torch.cummax(torch.where(stored, jj, -1), dim=1).values  # latest stored token at or before j
+    before = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], dim=1)
+    in_row = before >= 0
+    prev_p = torch.where(in_row, poss.gather(1, before.clamp(min=0)), seed_pos[:, None])
+    chk = stored & (in_row | has_seed[:, None]) & (wp.position_check[0] != 0)  # no sync per call
+    return chk & (poss != prev_p + 1), torch.where(chk, prev_p + 1, -1)
+
+
 def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, log: TorchLog, tag: int,
-          sources=(), mode: int = 0, expected_tokens=None, expected_positions=None) -> None:
+          sources=(), mode: int = 0, expected_tokens=None, expected_positions=None,
+          chain: str = fmt.DEFAULT_CHAIN) -> None:
     """Stamp records (same meaning as ``kvcanary_cupy.write``).
 
     Args:
@@ -354,8 +460,10 @@ def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, l
         tag: launch tag for violation rows.
         sources: ``TorchKvSource`` s; mode: ``RealKvMode`` value.
         expected_tokens, expected_positions: optional int ``[>= total]`` (-1 skips).
+        chain: the canary's chain kind, ``"scan"`` or ``"sglang"``.
     """
     torch = _torch()
+    check_chain(chain)
     dev = records.device
     N = int(records.shape[0])
     log.counters[fmt.CTR_KERNEL_RUNS] += 1
@@ -399,24 +507,12 @@ def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, l
 
     has_seed = live & (seeds >= 0)
     seed_rec = records[torch.where(has_seed, seeds, 0)]
-    running = torch.where(has_seed, _link_of(seed_rec), ANCHOR_HASH_I64)
-    prev_pos = torch.where(has_seed, seed_rec[:, fmt.FIELD_POSITION], 0)
-    has_prev = has_seed.clone()
-    check_pos = wp.position_check[0] != 0  # stays on the device: no sync per call
-    stored = loc >= 0
-    stored_link = torch.empty_like(loc)
-    pos_bad = torch.zeros_like(stored)
-    exp_pos_col = torch.full_like(loc, -1)
-    for j in range(L):  # the chain is serial within a row: one step of every row at a time
-        go = stored[:, j]
-        p = poss[:, j]
-        hp = go & has_prev & check_pos
-        pos_bad[:, j] = hp & (p != prev_pos + 1)
-        exp_pos_col[:, j] = torch.where(hp, prev_pos + 1, -1)
-        stored_link[:, j] = running
-        running = torch.where(go, mix3(running, toks[:, j], p), running)
-        prev_pos = torch.where(go, p, prev_pos)
-        has_prev |= go
+    running = torch.where(has_seed, _link_of(seed_rec, chain), first_link(chain))
+    stored = loc >= 0  # a negative slot is skipped: no store, the chain does not advance
+    chain_fn = _scan_links if chain == fmt.CHAIN_SCAN else _serial_links
+    stored_link = chain_fn(running, toks, poss, stored)
+    pos_bad, exp_pos_col = _position_check(torch, wp, stored, poss, has_seed,
+                                           seed_rec[:, fmt.FIELD_POSITION])
 
     bits = pos_bad.long() * _WRITE_POSITION
     exp_tok_col = torch.full_like(loc, -1)
@@ -450,7 +546,7 @@ def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, l
 
 # --- verify --------------------------------------------------------------------
 def verify(records, vp: TorchVerifyPlan, *, log: TorchLog, tag: int, sources=(), mode: int = 0,
-           check_tokens: bool = False, sample=None) -> None:
+           check_tokens: bool = False, sample=None, chain: str = fmt.DEFAULT_CHAIN) -> None:
     """Check planned records (same meaning as ``kvcanary_cupy.verify``).
 
     Args:
@@ -462,8 +558,10 @@ def verify(records, vp: TorchVerifyPlan, *, log: TorchLog, tag: int, sources=(),
         check_tokens: compare stored tokens with the plan's expected tokens.
         sample: optional ``(period, state)``, state an int64 tensor ``[2]``: sampled
             fingerprint checks, as ``FingerprintSampler``.
+        chain: the canary's chain kind, ``"scan"`` or ``"sglang"``.
     """
     torch = _torch()
+    check_chain(chain)
     dev = records.device
     N = int(records.shape[0])
     log.counters[fmt.CTR_KERNEL_RUNS] += 1
@@ -489,7 +587,7 @@ def verify(records, vp: TorchVerifyPlan, *, log: TorchLog, tag: int, sources=(),
     s = torch.where(chk, slot, 0)
     rec = records[s]
     linked = chk & (prev > 0)
-    exp_link = torch.where(linked, _link_of(records[torch.where(linked, prev, 0)]), ANCHOR_HASH_I64)
+    exp_link = torch.where(linked, _link_of(records[torch.where(linked, prev, 0)], chain), first_link(chain))
     stored_link = rec[:, fmt.FIELD_LINK]
     exp_link = torch.where(prev == 0, stored_link, exp_link)  # padding predecessor: chain not checked
     bits = (stored_link != exp_link).long() * _CHAIN

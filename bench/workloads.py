@@ -160,20 +160,27 @@ def populate(xp, device: str, inst: Instance, canary: CanaryBuffer, log, rs, *, 
 
 
 def op_calls(inst: Instance, canary: CanaryBuffer, log, *, sources=(), mode=RealKvMode.NONE, stream=None) -> dict:
-    """``{"plan", "verify", "write"}``: zero-argument calls of one step's ops on ``inst``."""
+    """``{"plan", "verify", "plan_and_verify", "write"}``: zero-argument calls of one step's ops
+    on ``inst`` (the canary's chain kind is the one every op follows)."""
+    rows = dict(req_pool_indices=inst.req_pool_indices, prefix_lens=inst.prefix_lens,
+                extend_lens=inst.extend_lens, req_to_token=inst.table, swa=inst.swa)
+
     def plan():
-        kc.plan(inst.vp, inst.wp, req_pool_indices=inst.req_pool_indices, prefix_lens=inst.prefix_lens,
-                 extend_lens=inst.extend_lens, req_to_token=inst.table, swa=inst.swa, stream=stream)
+        kc.plan(inst.vp, inst.wp, **rows, stream=stream)
 
     def verify():
         kc.verify(canary, inst.vp, log=log, tag=LaunchTag.VERIFY, real_kv=sources, real_kv_mode=mode, stream=stream)
+
+    def plan_and_verify():
+        kc.plan_and_verify(inst.vp, inst.wp, canary, **rows, log=log, tag=LaunchTag.VERIFY, real_kv=sources,
+                           real_kv_mode=mode, stream=stream)
 
     def write():
         kc.write(canary, inst.wp, input_ids=inst.input_ids, positions=inst.positions,
                   out_cache_loc=inst.out_cache_loc, log=log, tag=LaunchTag.WRITE, real_kv=sources,
                   real_kv_mode=mode, stream=stream)
 
-    return {"plan": plan, "verify": verify, "write": write}
+    return {"plan": plan, "verify": verify, "plan_and_verify": plan_and_verify, "write": write}
 
 
 # --- the same step through the PyTorch baseline --------------------------------------
@@ -201,8 +208,10 @@ def torch_instance(inst: Instance, device) -> TorchInstance:
                          tb.TorchWritePlan.allocate(max_batch=c.batch, device=device))
 
 
-def torch_calls(ti: TorchInstance, records, log, *, sources=(), mode=RealKvMode.NONE, window=None) -> dict:
-    """``{"plan", "verify", "write"}``: zero-argument baseline calls of one step."""
+def torch_calls(ti: TorchInstance, records, log, *, sources=(), mode=RealKvMode.NONE, window=None,
+                chain: str = "scan") -> dict:
+    """``{"plan", "verify", "write"}``: zero-argument baseline calls of one step on ``records``
+    of chain kind ``chain``. The baseline has no fused op: its plan and verify are the step's."""
     from . import torch_baseline as tb  # noqa: PLC0415
 
     v = ti.views
@@ -213,10 +222,10 @@ def torch_calls(ti: TorchInstance, records, log, *, sources=(), mode=RealKvMode.
                 extend_lens=v["extend_lens"], table=v["table"], swa_size=window, lut=v["lut"])
 
     def verify():
-        tb.verify(records, ti.vp, log=log, tag=int(LaunchTag.VERIFY), sources=sources, mode=m)
+        tb.verify(records, ti.vp, log=log, tag=int(LaunchTag.VERIFY), sources=sources, mode=m, chain=chain)
 
     def write():
         tb.write(records, ti.wp, input_ids=v["input_ids"], positions=v["positions"], out_cache_loc=v["out_cache_loc"],
-                 log=log, tag=int(LaunchTag.WRITE), sources=sources, mode=m)
+                 log=log, tag=int(LaunchTag.WRITE), sources=sources, mode=m, chain=chain)
 
     return {"plan": plan, "verify": verify, "write": write}

@@ -29,7 +29,7 @@ def test_bench_without_a_cuda_device_is_one_line_not_a_traceback(tmp_path, sourc
 
 def test_cpu_dry_run_gives_no_verdict_on_gpu_targets(tmp_path, capsys):
     rc = main(["--quick", "--device", "cpu", "--runs", "1", "--no-baseline", "--json", str(tmp_path / "b.json"),
-               "--only", r"decode b4|write row 1x"])
+               "--only", r"decode b4|write row 1x|monitor b2"])
     out = capsys.readouterr().out
     assert rc == 0
     table = out[out.index("copy bandwidth:"):].splitlines()[3:]  # the short table's rows, printed last
@@ -44,6 +44,7 @@ def _write_rows(platform, all_us, none_us):
     def row(mode, us):
         return {"name": f"write row 1x256B {mode}", "group": "write_row", "entries": 0, "tokens": 16384,
                 "mode": mode, "kv_layers": 1, "pool_label": "1x256B", "timed_ops": ["write"], "error": None,
+                "chain": "scan",
                 "ops": {"write": {"device_us": us, "host_us": 5.0, "floor_us": 1.0, "x_floor": us}},
                 "baseline": {"skipped": "n/a"}}
 
@@ -53,10 +54,10 @@ def _write_rows(platform, all_us, none_us):
 
 def test_a_cpu_total_below_the_serial_chain_prints_no_negative_fingerprint_part():
     md = report.markdown(_write_rows("cpu", 40_000.0, 60_566.0))
-    assert "| 1x256B | 16Ki | 40,000 | 60,566 | n/a |" in md
+    assert "| 1x256B | scan | 16Ki | 40,000 | 60,566 | n/a |" in md
     assert not NEGATIVE.search(md)
     md = report.markdown(_write_rows("cpu", 60_000.0, 40_000.0))
-    assert "| 1x256B | 16Ki | 60,000 | 40,000 | 20,000 |" in md
+    assert "| 1x256B | scan | 16Ki | 60,000 | 40,000 | 20,000 |" in md
 
 
 def test_gpu_results_keep_their_verdicts():

@@ -2,7 +2,8 @@
 
 Run on CPU torch tensors: plan entries, offsets, seeds and scalars; records after a
 write; violation rings (row for row, in order) and counters after verify and write,
-on random inputs with bad data mixed in and on a populated pool with corruption.
+on random inputs with bad data mixed in and on a populated pool with corruption,
+once per chain kind (``"scan"`` and ``"sglang"``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 POISON = -7
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CHAINS = pytest.mark.parametrize("chain", fmt.CHAINS)
 
 
 def T(a):
@@ -40,6 +42,38 @@ def test_splitmix64_matches_format_on_edges_and_random():
     assert int(N_(tb.splitmix64(T([fmt.ANCHOR - 2**64])))[0]) & (2**64 - 1) == fmt.ANCHOR_HASH
     a, b, c = (rng.integers(-(2**63), 2**63 - 1, size=777, dtype=np.int64) for _ in range(3))
     assert np.array_equal(N_(tb.mix3(T(a), T(b), T(c))).view(np.uint64), fmt.mix3(a.view(np.uint64), b, c))
+
+
+def test_scan_chain_arithmetic_matches_format_on_edges_and_random():
+    rng = np.random.default_rng(2)
+    p = fmt.P61
+    edges = np.array([0, 1, p - 1, p - 2, 2, fmt.SCAN_MUL, fmt.SCAN_ANCHOR, (1 << 32) - 1, 1 << 32], dtype=np.int64)
+    a = np.concatenate([edges, edges[::-1], rng.integers(0, p, size=5000, dtype=np.int64)])
+    b = np.concatenate([edges, edges, rng.integers(0, p, size=5000, dtype=np.int64)])
+    got = N_(tb.mulmod61(T(a), T(b))).view(np.uint64)
+    assert np.array_equal(got, fmt.mulmod61(a.view(np.uint64), b.view(np.uint64)))
+    assert np.array_equal(got, np.array([int(x) * int(y) % p for x, y in zip(a, b)], dtype=np.uint64))
+    words = np.concatenate([np.array([0, -1, p, p - 1, p + 1, -(2**63), 2**63 - 1], dtype=np.int64),
+                            rng.integers(-(2**63), 2**63 - 1, size=5000, dtype=np.int64)])
+    assert np.array_equal(N_(tb.reduce61(T(words))).view(np.uint64), words.view(np.uint64) % np.uint64(p))
+    tok, pos = words, np.roll(words, 1)
+    assert np.array_equal(N_(tb.scan_term(T(tok), T(pos))).view(np.uint64), fmt.scan_term(tok, pos))
+    assert int(N_(tb.scan_term(T([101]), T([0])))[0]) == 0x0D22AFD540D59970  # DESIGN §3.1's check values
+    assert int(N_(tb.scan_term(T([-1]), T([-1])))[0]) == 0x16BDF7544574C9D1
+
+
+@CHAINS
+def test_next_link_matches_format(chain):
+    rng = np.random.default_rng(4)
+    rec = rng.integers(-(2**63), 2**63 - 1, size=(3000, 4), dtype=np.int64)
+    rec[:5] = fmt.make_records([101, 202, 303, 404, 505], np.arange(5), chain=chain)
+    got = N_(tb.next_link(T(rec[:, fmt.FIELD_LINK]), T(rec[:, fmt.FIELD_TOKEN]), T(rec[:, fmt.FIELD_POSITION]),
+                          chain)).view(np.uint64)
+    assert np.array_equal(got, fmt.next_link(rec, chain=chain))
+    assert tb.first_link(chain) & (2**64 - 1) == fmt.first_link(chain)
+    with pytest.raises(ValueError, match="kvcanary: chain"):
+        tb.verify(T(rec), tb.TorchVerifyPlan.allocate(capacity=1, max_batch=1), log=tb.TorchLog.allocate(capacity=1),
+                  tag=1, chain="v3")
 
 
 def test_splitmix64_leaves_its_input_alone():
@@ -185,8 +219,8 @@ def test_fingerprints_match_reference():
         assert mode == kc.RealKvMode.NONE or np.count_nonzero(want) > 250
 
 
-def _random_records(rng, num_slots, srcs, mode):
-    """Chained sequences with correct fingerprints, then random damage."""
+def _random_records(rng, num_slots, srcs, mode, chain):
+    """Chained sequences (of kind ``chain``) with correct fingerprints, then random damage."""
     from kvcanary_cupy.backends import reference  # noqa: PLC0415
 
     rec = np.zeros((num_slots, 4), dtype=np.int64)
@@ -195,7 +229,7 @@ def _random_records(rng, num_slots, srcs, mode):
     while i < perm.shape[0]:
         n = int(rng.integers(1, 12))
         s = perm[i:i + n]
-        rec[s] = fmt.make_records(rng.integers(0, 100, size=s.shape[0]), np.arange(s.shape[0]))
+        rec[s] = fmt.make_records(rng.integers(0, 100, size=s.shape[0]), np.arange(s.shape[0]), chain=chain)
         i += n
     rec[:, 3] = reference.fingerprints(srcs, mode, np.arange(num_slots)).view(np.int64)
     damage = rng.random(num_slots) < 0.1
@@ -220,12 +254,12 @@ def _assert_logs_equal(log, tlog):
 
 
 # --- verify --------------------------------------------------------------------
-def _verify_case(rng, handmade: bool):
+def _verify_case(rng, handmade: bool, chain: str):
     page = int(rng.choice([1, 2]))
     num_slots = page * int(rng.integers(16, 64))
     mode = kc.RealKvMode(int(rng.integers(0, 3)))
     srcs, tsrcs = _sources(rng, num_slots, page) if rng.random() < 0.7 else ([], [])
-    rec = _random_records(rng, num_slots, srcs, mode)
+    rec = _random_records(rng, num_slots, srcs, mode, chain)
     if handmade:
         n = int(rng.integers(0, 60))
         bs = int(rng.integers(1, 5))
@@ -250,12 +284,13 @@ def _verify_case(rng, handmade: bool):
     return num_slots, mode, srcs, tsrcs, rec, vp, tvp
 
 
+@CHAINS
 @SETTINGS
 @given(seed=st.integers(0, 2**32 - 1), handmade=st.booleans())
-def test_verify_matches_reference_on_random_inputs(seed, handmade):
+def test_verify_matches_reference_on_random_inputs(chain, seed, handmade):
     rng = np.random.default_rng(seed)
-    num_slots, mode, srcs, tsrcs, rec, vp, tvp = _verify_case(rng, handmade)
-    canary = kc.CanaryBuffer(rec.copy())
+    num_slots, mode, srcs, tsrcs, rec, vp, tvp = _verify_case(rng, handmade, chain)
+    canary = kc.CanaryBuffer(rec.copy(), chain)
     trec = T(rec)
     log, tlog = _logs(rng)
     check_tokens = bool(rng.random() < 0.5)
@@ -267,7 +302,7 @@ def test_verify_matches_reference_on_random_inputs(seed, handmade):
     tag = int(rng.integers(1, 9))
     kc.verify(canary, vp, log=log, tag=tag, real_kv=srcs, real_kv_mode=mode, check_tokens=check_tokens, sample=sampler)
     tb.verify(trec, tvp, log=tlog, tag=tag, sources=tsrcs if effective else (), mode=int(mode) if effective else 0,
-              check_tokens=check_tokens, sample=tsample)
+              check_tokens=check_tokens, sample=tsample, chain=chain)
     _assert_logs_equal(log, tlog)
     assert np.array_equal(canary.records, N_(trec))  # verify writes nothing
     if tsample is not None:
@@ -275,12 +310,12 @@ def test_verify_matches_reference_on_random_inputs(seed, handmade):
 
 
 # --- write ---------------------------------------------------------------------
-def _write_case(rng):
+def _write_case(rng, chain):
     page = int(rng.choice([1, 2]))
     num_slots = page * int(rng.integers(24, 64))
     mode = kc.RealKvMode(int(rng.integers(0, 3)))
     srcs, tsrcs = _sources(rng, num_slots, page) if rng.random() < 0.7 else ([], [])
-    rec = _random_records(rng, num_slots, srcs, mode)
+    rec = _random_records(rng, num_slots, srcs, mode, chain)
     bs = int(rng.integers(1, 6))
     wp = kc.WritePlan.allocate(max_batch=bs + int(rng.integers(0, 2)))
     lens = rng.integers(0, 7, size=bs)
@@ -312,12 +347,13 @@ def _write_case(rng):
     return num_slots, mode, srcs, tsrcs, rec, wp, ids.astype(idt), pos.astype(idt), loc.astype(idt), exp
 
 
+@CHAINS
 @SETTINGS
 @given(seed=st.integers(0, 2**32 - 1))
-def test_write_matches_reference_on_random_inputs(seed):
+def test_write_matches_reference_on_random_inputs(chain, seed):
     rng = np.random.default_rng(seed)
-    num_slots, mode, srcs, tsrcs, rec, wp, ids, pos, loc, exp = _write_case(rng)
-    canary = kc.CanaryBuffer(rec.copy())
+    num_slots, mode, srcs, tsrcs, rec, wp, ids, pos, loc, exp = _write_case(rng, chain)
+    canary = kc.CanaryBuffer(rec.copy(), chain)
     trec = T(rec)
     log, tlog = _logs(rng)
     twp = tb.TorchWritePlan(offsets=T(wp.offsets), seed_slots=T(wp.seed_slots), num_rows=T(wp.num_rows),
@@ -329,15 +365,44 @@ def test_write_matches_reference_on_random_inputs(seed):
     tb.write(trec, twp, input_ids=T(ids), positions=T(pos), out_cache_loc=T(loc), log=tlog, tag=tag,
              sources=tsrcs if effective else (), mode=int(mode) if effective else 0,
              expected_tokens=None if exp is None or exp[0] is None else T(exp[0]),
-             expected_positions=None if exp is None or exp[1] is None else T(exp[1]))
+             expected_positions=None if exp is None or exp[1] is None else T(exp[1]), chain=chain)
     assert np.array_equal(canary.records, N_(trec))
     _assert_logs_equal(log, tlog)
 
 
+@CHAINS
+def test_long_rows_with_skips_match_reference(chain):
+    """Rows of a few hundred tokens (nine levels of the scan), uneven lengths, skipped tokens, seeds."""
+    rng = np.random.default_rng(9)
+    num_slots, lens = 4096, np.array([300, 0, 1, 257, 129])
+    bs, total = lens.shape[0], int(lens.sum())
+    rec = _random_records(rng, num_slots, [], kc.RealKvMode.NONE, chain)
+    wp = kc.WritePlan.allocate(max_batch=bs)
+    wp.offsets[:] = np.concatenate([[0], np.cumsum(lens)])
+    wp.seed_slots[:] = [-1, -1, 17, 33, -1]
+    wp.num_rows[0] = bs
+    loc = rng.permutation(np.arange(100, num_slots))[:total].astype(np.int64)
+    loc[rng.random(total) < 0.05] = -1
+    pos = np.concatenate([np.arange(n) + rec[s, fmt.FIELD_POSITION] + 1 if s >= 0 else np.arange(n)
+                          for n, s in zip(lens, wp.seed_slots)]).astype(np.int64)
+    ids = rng.integers(0, 1000, size=total)
+    canary = kc.CanaryBuffer(rec.copy(), chain)
+    trec = T(rec)
+    log, tlog = _logs(rng)
+    twp = tb.TorchWritePlan(offsets=T(wp.offsets), seed_slots=T(wp.seed_slots), num_rows=T(wp.num_rows),
+                            input_errors=T(wp.input_errors), position_check=T(wp.position_check))
+    kc.write(canary, wp, input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=2)
+    tb.write(trec, twp, input_ids=T(ids), positions=T(pos), out_cache_loc=T(loc), log=tlog, tag=2, chain=chain)
+    assert np.array_equal(canary.records, N_(trec))
+    _assert_logs_equal(log, tlog)
+    assert int(log.counters()["slots_written"]) >= 0.9 * total
+
+
 # --- a populated pool, then corruption -----------------------------------------
+@CHAINS
 @pytest.mark.parametrize("mode", list(kc.RealKvMode))
 @pytest.mark.parametrize("swa", [False, True])
-def test_step_on_a_populated_pool_then_corruption(mode, swa):
+def test_step_on_a_populated_pool_then_corruption(mode, swa, chain):
     """Fill a pool through write, check it clean, corrupt records / bytes / table, check again."""
     rng = np.random.default_rng(11 + int(mode) + 10 * swa)
     bs, P, E, num_slots = 6, 40, 3, 1024
@@ -353,7 +418,7 @@ def test_step_on_a_populated_pool_then_corruption(mode, swa):
     src = kc.RealKvSource(kv, bytes_per_token=32, layer_axis=True)
     tsrc = tb.TorchKvSource.from_source(src)
     effective = mode != kc.RealKvMode.NONE
-    canary = kc.CanaryBuffer.allocate(num_slots=num_slots)
+    canary = kc.CanaryBuffer.allocate(num_slots=num_slots, chain=chain)
     log = kc.ViolationLog.allocate(capacity=512)
     rpi = np.arange(1, bs + 1, dtype=np.int64)
 
@@ -393,7 +458,7 @@ def test_step_on_a_populated_pool_then_corruption(mode, swa):
     tlog = tb.TorchLog(ring=T(log.ring), head=T(log.head), counters=T(log.counter_array))
     kc.verify(canary, vp, log=log, tag=kc.LaunchTag.VERIFY, real_kv=[src], real_kv_mode=mode)
     tb.verify(trec, tvp, log=tlog, tag=int(kc.LaunchTag.VERIFY), sources=[tsrc] if effective else (),
-              mode=int(mode))
+              mode=int(mode), chain=chain)
     assert log.count >= 4  # the corruption is seen...
     _assert_logs_equal(log, tlog)  # ...and seen the same way
 
@@ -404,6 +469,6 @@ def test_step_on_a_populated_pool_then_corruption(mode, swa):
     kc.write(canary, wp, input_ids=ids, positions=pos, out_cache_loc=step_loc, log=log, tag=kc.LaunchTag.WRITE,
              real_kv=[src], real_kv_mode=mode)
     tb.write(trec, twp, input_ids=T(ids), positions=T(pos), out_cache_loc=T(step_loc), log=tlog,
-             tag=int(kc.LaunchTag.WRITE), sources=[tsrc] if effective else (), mode=int(mode))
+             tag=int(kc.LaunchTag.WRITE), sources=[tsrc] if effective else (), mode=int(mode), chain=chain)
     assert np.array_equal(canary.records, N_(trec))
     _assert_logs_equal(log, tlog)
