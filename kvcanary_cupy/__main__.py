@@ -5,7 +5,8 @@ import sys
 
 USAGE = """usage: python -m kvcanary_cupy {selftest,info} [options]
 
-  selftest   clean run plus every fault class on a simulated engine (exit 0: all caught, no false positives)
+  selftest   clean run plus every fault class on a simulated engine, once per chain kind
+             (exit 0: all caught, no false positives)
   info       version, kernel source directory, CuPy / GPU visibility
 
 python -m kvcanary_cupy COMMAND --help lists a command's options.

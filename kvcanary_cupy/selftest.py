@@ -1,15 +1,18 @@
 """``python -m kvcanary_cupy selftest``: prove, on this machine, that the canary is
-silent on a clean engine and catches every fault class.
+silent on a clean engine and catches every fault class, with each chain kind.
 
 A clean run drives the simulator (token-level and page-level tables, prefix
 sharing, chunked prefill, decode, a sliding-window pool, a draft pool, eviction,
-sweeps, sampled fingerprints, the verify after the write) and must find nothing. Then, per fault class, each injection runs in a
-fresh simulator: a few clean steps, the fault, and the steps until the detector
-tied to that class reports it.
+sweeps, sampled fingerprints, the verify after the write) and must find nothing.
+Then, per fault class, each injection runs in a fresh simulator: a few clean
+steps, the fault, and the steps until the detector tied to that class reports it.
+The whole campaign runs once per chain kind (``"scan"`` and ``"sglang"`` by
+default, see :class:`~kvcanary_cupy.CanaryBuffer`); it passes only if every kind does.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -20,10 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .format import CHAINS, check_chain
 from .monitor import KvCanaryWarning
 from .sim import FAULTS, PagedKvSim, SimConfig
 
 WARM_STEPS = 4  # clean steps before arming a fault
+CHAIN_CHOICES = (*CHAINS, "both")
 ARM_STEPS = 80  # steps a fault may wait for a target (e.g. a cached block) before it counts as not injected
 WAIT_STEPS = 12  # steps after injection the tied detector has to report
 
@@ -104,10 +109,17 @@ def clean_configs(device: str, seed: int) -> list[SimConfig]:
                                               sample_period=3, verify_after=True, seed=seed)]
 
 
-def clean_run(device: str, steps: int, seed: int, progress) -> dict:
+def chains_of(chain: str) -> tuple[str, ...]:
+    """The chain kinds a run covers: ``"both"`` is every kind, else the one named."""
+    if chain == "both":
+        return CHAINS
+    return (check_chain(chain, "chain"),)
+
+
+def clean_run(device: str, steps: int, seed: int, progress, chain: str = CHAINS[0]) -> dict:
     out = {"steps": 0, "violations": 0, "input_errors": 0, "overflows": 0, "examples": [],
            "slots_checked": 0, "sweep_entries": 0, "prefix_hits": 0}
-    cfgs = clean_configs(device, seed)
+    cfgs = [dataclasses.replace(c, chain=chain) for c in clean_configs(device, seed)]
     per = [steps // len(cfgs) + (i < steps % len(cfgs)) for i in range(len(cfgs))]
     for cfg, n in zip(cfgs, per):
         if n == 0:
@@ -130,8 +142,8 @@ def clean_run(device: str, steps: int, seed: int, progress) -> dict:
     return out
 
 
-def inject_once(fault_cls, device: str, seed: int, variant: int, res: ClassResult) -> None:
-    cfg = configs(device, seed)[variant % 2]
+def inject_once(fault_cls, device: str, seed: int, variant: int, res: ClassResult, chain: str = CHAINS[0]) -> None:
+    cfg = dataclasses.replace(configs(device, seed)[variant % 2], chain=chain)
     sim = PagedKvSim(cfg)
     fault = fault_cls(np.random.default_rng(seed + 7))
     for _ in range(WARM_STEPS):
@@ -165,9 +177,15 @@ def inject_once(fault_cls, device: str, seed: int, variant: int, res: ClassResul
                            "info": {k: str(v) for k, v in fault.info.items()}})
 
 
-def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed: int = 0, progress=print,
-        notice=None) -> dict:
+def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed: int = 0, chain: str = "both",
+        progress=print, notice=None) -> dict:
     """Run the whole selftest; returns the report (see ``--json``).
+
+    ``chain``: ``"scan"``, ``"sglang"`` or ``"both"`` (the default): the campaign (the
+    clean run of ``steps`` steps and ``injections`` injections per fault class) runs once
+    per kind, each in simulators of its own; the report's ``chains`` maps each kind to
+    its result (``ok``, ``seconds``, ``clean``, ``classes``), and ``ok`` is true only if
+    every kind passed.
 
     ``progress`` receives the progress lines; ``notice`` (default: ``progress``) the one
     line that says why ``auto`` runs on NumPy although CuPy is installed.
@@ -176,18 +194,19 @@ def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed:
     silenced while it runs; the clean run's input errors and overflows are counted
     in the report instead.
     """
+    kinds = chains_of(chain)
     log = logging.getLogger("kvcanary")
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", KvCanaryWarning)
-            return _run(backend, steps, injections, seed, progress, notice or progress)
+            return _run(backend, steps, injections, seed, kinds, progress, notice or progress)
     finally:
         log.setLevel(level)
 
 
-def _run(backend: str, steps: int, injections: int, seed: int, progress, notice) -> dict:
+def _run(backend: str, steps: int, injections: int, seed: int, kinds, progress, notice) -> dict:
     note = None
     if backend == "auto":
         usable, why = cuda_status()
@@ -198,9 +217,21 @@ def _run(backend: str, steps: int, injections: int, seed: int, progress, notice)
     else:
         device = resolve_backend(backend)
     t0 = time.perf_counter()
-    progress(f"kvcanary selftest on {'the NumPy backend (cpu)' if device == 'cpu' else 'CUDA'}: "
-             f"{steps} clean steps, {injections} injections x {len(FAULTS)} fault classes, seed {seed}")
-    clean = clean_run(device, steps, seed, progress)
+    each = " per chain kind" if len(kinds) > 1 else ""
+    progress(f"kvcanary selftest on {'the NumPy backend (cpu)' if device == 'cpu' else 'CUDA'}, chain "
+             f"kind{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}: {steps} clean steps, {injections} "
+             f"injections x {len(FAULTS)} fault classes{each}, seed {seed}")
+    per_kind = {k: _campaign(device, steps, injections, seed, k, progress) for k in kinds}
+    return {"ok": all(r["ok"] for r in per_kind.values()), "backend": "numpy" if device == "cpu" else "cuda",
+            "device": device, "seed": seed, "backend_note": note, "seconds": round(time.perf_counter() - t0, 2),
+            "chains": per_kind}
+
+
+def _campaign(device: str, steps: int, injections: int, seed: int, chain: str, progress) -> dict:
+    """One chain kind's clean run and injections."""
+    t0 = time.perf_counter()
+    progress(f"chain {chain!r}:")
+    clean = clean_run(device, steps, seed, progress, chain)
     progress(f"  clean run: {clean['violations']} violations, {clean['input_errors']} input errors "
              f"({time.perf_counter() - t0:.1f} s)")
     classes = []
@@ -208,19 +239,28 @@ def _run(backend: str, steps: int, injections: int, seed: int, progress, notice)
         t1 = time.perf_counter()
         res = ClassResult(fc.number, fc.name, fc.detector, injections)
         for i in range(injections):
-            inject_once(fc, device, seed * 1_000_003 + fc.number * 1009 + i, i, res)
+            inject_once(fc, device, seed * 1_000_003 + fc.number * 1009 + i, i, res, chain)
         classes.append(res)
         med = "-" if res.median_steps is None else f"{res.median_steps:g}"
         progress(f"  [{fc.number:2d}/{len(FAULTS)}] {fc.name}: {res.detected}/{res.injected} detected, "
                  f"median {med} steps, {res.false_positives} false positives ({time.perf_counter() - t1:.1f} s)")
-    elapsed = time.perf_counter() - t0
     ok = clean["violations"] == 0 and clean["input_errors"] == 0 and all(c.ok for c in classes)
-    return {"ok": ok, "backend": "numpy" if device == "cpu" else "cuda", "device": device, "seed": seed,
-            "backend_note": note, "seconds": round(elapsed, 2), "clean": clean,
+    return {"ok": ok, "seconds": round(time.perf_counter() - t0, 2), "clean": clean,
             "classes": [c.as_dict() for c in classes]}
 
 
 def format_table(report: dict) -> str:
+    """The summary: per chain kind its verdict and a table of the fault classes and the clean
+    run, then the overall verdict (the last line)."""
+    out = []
+    for kind, r in report["chains"].items():
+        out += [f"chain {kind!r}: {'PASS' if r['ok'] else 'FAIL'} in {r['seconds']:.1f} s", _kind_table(r), ""]
+    out.append(f"{'PASS' if report['ok'] else 'FAIL'} (chain kinds: {', '.join(report['chains'])}) in "
+               f"{report['seconds']:.1f} s on {report['backend']}")
+    return "\n".join(out)
+
+
+def _kind_table(report: dict) -> str:
     rows = [("#", "fault class", "tied detector", "injected", "detected", "median steps", "false pos.")]
     for c in report["classes"]:
         med = "-" if c["median_steps"] is None else f"{c['median_steps']:g}"
@@ -240,20 +280,24 @@ def format_table(report: dict) -> str:
     lines.append(f"clean run: input errors: {cl['input_errors']}, plan overflows: {cl['overflows']}, "
                  f"prefix hits: {cl['prefix_hits']}")
     lines.append("median steps: steps after the first step that could see the fault (0: that very step)")
-    lines.append(f"{'PASS' if report['ok'] else 'FAIL'} in {report['seconds']:.1f} s on {report['backend']}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m kvcanary_cupy selftest",
-        description="Clean run plus every fault class on a simulated paged-KV engine. Exits 0 when every "
-                    "injected fault is caught and the clean run reports nothing, 1 otherwise.")
+        description="Clean run plus every fault class on a simulated paged-KV engine, once per chain kind. "
+                    "Exits 0 when, for every kind, every injected fault is caught and the clean run reports "
+                    "nothing, 1 otherwise.")
     ap.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
                     help="auto (default): CUDA when CuPy is installed and sees a device, else the NumPy "
                          "backend; numpy: the NumPy reference on the CPU; cuda: the CUDA kernels through CuPy")
-    ap.add_argument("--steps", type=int, default=2000, help="clean-run steps (default 2000)")
-    ap.add_argument("--injections", type=int, default=20, help="injections per fault class (default 20)")
+    ap.add_argument("--chain", choices=CHAIN_CHOICES, default="both",
+                    help="the canaries' chain kind: scan (format v2), sglang (v1, SGLang's records) or both "
+                         "(default: the whole campaign once per kind, passing only if both pass)")
+    ap.add_argument("--steps", type=int, default=2000, help="clean-run steps per chain kind (default 2000)")
+    ap.add_argument("--injections", type=int, default=20,
+                    help="injections per fault class and chain kind (default 20)")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the simulated engines and the fault injectors (default 0)")
     ap.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
@@ -269,13 +313,14 @@ def main(argv=None) -> int:
             return 2
     progress = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     report = run(backend=args.backend, steps=args.steps, injections=args.injections, seed=args.seed,
-                 progress=progress, notice=lambda s: print(s, file=sys.stderr, flush=True))
+                 chain=args.chain, progress=progress, notice=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(report))
-    for c in report["classes"]:
-        for m in c["misses"][:3]:
-            print(f"  missed: class {c['number']} {m}")
-    for e in report["clean"]["examples"]:
-        print(f"  clean-run violation: {e}")
+    for kind, r in report["chains"].items():
+        for c in r["classes"]:
+            for m in c["misses"][:3]:
+                print(f"  missed ({kind}): class {c['number']} {m}")
+        for e in r["clean"]["examples"]:
+            print(f"  clean-run violation ({kind}): {e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -51,10 +51,24 @@ def test_backend_cuda_without_a_device_is_one_line_not_a_traceback(tmp_path, sou
 def test_the_clean_step_counts_are_explained_and_add_up():
     report = selftest.run(backend="numpy", steps=40, injections=1, seed=1, progress=lambda s: None)
     table = selftest.format_table(report)
-    m = re.search(r"clean steps \(no fault in effect\): (\d+) = (\d+) in the clean run \+ (\d+) in the "
-                  r"injection runs before their fault fired; false positives over them: (\d+)", table)
-    assert m, table
-    total, clean, before, fp = map(int, m.groups())
-    assert clean == report["clean"]["steps"] == 40
-    assert before == sum(c["clean_steps"] for c in report["classes"]) > 0
-    assert total == clean + before and fp == 0
+    found = re.findall(r"clean steps \(no fault in effect\): (\d+) = (\d+) in the clean run \+ (\d+) in the "
+                       r"injection runs before their fault fired; false positives over them: (\d+)", table)
+    assert len(found) == len(report["chains"]) == 2, table  # one explanation per chain kind, in order
+    for (kind, r), m in zip(report["chains"].items(), found):
+        total, clean, before, fp = map(int, m)
+        assert clean == r["clean"]["steps"] == 40, kind
+        assert before == sum(c["clean_steps"] for c in r["classes"]) > 0
+        assert total == clean + before and fp == 0
+
+
+def test_the_summary_names_each_chain_kind_and_ends_with_the_verdict(tmp_path):
+    env = fake_cupy_env(tmp_path, NOT_INSTALLED)
+    out = selftest_cli(env, "--chain", "both")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "chain 'scan': PASS" in out.stdout and "chain 'sglang': PASS" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].startswith("PASS (chain kinds: scan, sglang)")
+    assert "chain kinds scan, sglang" in out.stderr
+    one = selftest_cli(env, "--chain", "sglang")
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert "chain 'scan'" not in one.stdout and "chain 'sglang': PASS" in one.stdout
+    assert one.stdout.rstrip().splitlines()[-1].startswith("PASS (chain kinds: sglang)")

@@ -1,5 +1,6 @@
 """KvCanary: per-step orchestration, request mapping, policies, overflow, SWA, sweeps,
-sampling, warm-up, bound inputs, rebinding, misuse, and (GPU) graph capture."""
+sampling, warm-up, bound inputs, rebinding, misuse, and (GPU) graph capture. Tests taking
+``chain_kind`` run once per chain kind (the monitor's ``chain=``)."""
 from __future__ import annotations
 
 import logging
@@ -96,14 +97,14 @@ class Toy:
 
 
 # --- clean path ---------------------------------------------------------------
-def test_clean_steps_stamp_chained_records(xp, device):
-    toy = Toy(xp, device)
+def test_clean_steps_stamp_chained_records(xp, device, chain_kind):
+    toy = Toy(xp, device, chain=chain_kind)
     toy.step([1, 2], [5, 3], request_ids=["a", "b"])
     for _ in range(3):
         toy.step([1, 2], [1, 1], request_ids=["a", "b"])
     assert drain(toy.mon, xp) == []
     rec = toy.mon.canary.host_records()
-    want = kc.make_records(1000 + np.arange(8), np.arange(8))
+    want = kc.make_records(1000 + np.arange(8), np.arange(8), chain=chain_kind)
     np.testing.assert_array_equal(rec[1:9], want)
     s = toy.mon.stats()
     assert s["steps"] == 4 and s["violations"] == 0 and s["overflows"] == 0 and s["input_errors"] == 0
@@ -126,8 +127,8 @@ def test_random_clean_traffic_is_silent(steps, window):
 
 
 # --- request mapping ------------------------------------------------------------
-def test_rows_found_later_map_to_the_request_of_their_step(xp, device):
-    toy = Toy(xp, device)
+def test_rows_found_later_map_to_the_request_of_their_step(xp, device, chain_kind):
+    toy = Toy(xp, device, chain=chain_kind)
     toy.step([1, 2], [4, 4], request_ids=["a", "b"])
     toy.set_entry(2, 1, int(toy.table_h[1, 1]))  # b's position 1 now reads a's slot
     toy.step([2, 1], [1, 1], request_ids=["b", "a"])  # b is batch row 0 here
@@ -177,8 +178,8 @@ def test_policy_callable_and_log(xp, device, caplog):
 
 
 # --- overflow and input errors ------------------------------------------------------
-def test_overflow_is_reported_and_the_plan_grows(xp, device):
-    toy = Toy(xp, device, verify_capacity=2)
+def test_overflow_is_reported_and_the_plan_grows(xp, device, chain_kind):
+    toy = Toy(xp, device, verify_capacity=2, chain=chain_kind)
     toy.step([1], [6], request_ids=["a"])
     toy.set_entry(1, 4, 70)  # caught only if the overflowing step is still verified
     with pytest.warns(KvCanaryWarning, match="overflowed"):
@@ -352,8 +353,8 @@ def test_rebind_rejects_other_geometry():
 
 
 # --- expected tokens, draft offset ------------------------------------------------------
-def test_token_check_and_draft_offset(xp, device):
-    toy = Toy(xp, device, expected=True)
+def test_token_check_and_draft_offset(xp, device, chain_kind):
+    toy = Toy(xp, device, expected=True, chain=chain_kind)
     toy.step([1], [4], request_ids=["t"])
     toy.step([1], [1], request_ids=["t"])
     assert drain(toy.mon, xp) == []
@@ -364,7 +365,7 @@ def test_token_check_and_draft_offset(xp, device):
     assert found[0].reasons == F.TOKEN
 
     # A draft pool stores token p+1 at position p: offset +1 and the draft tags.
-    d = Toy(xp, device, expected=True, draft=True)
+    d = Toy(xp, device, expected=True, draft=True, chain=chain_kind)
     for P, E in ((0, 4), (4, 1), (5, 1)):
         ids = xp.asarray([1000 + p + 1 for p in range(P, P + E)])
         d.mon.before_forward(xp.asarray([1]), xp.asarray([P]), xp.asarray([E]),
@@ -388,15 +389,16 @@ def test_record_tokens_fills_the_bound_table():
 
 
 # --- SWA group ---------------------------------------------------------------------------
-def test_swa_group_clean_and_off_by_one(xp, device):
-    toy = Toy(xp, device, swa_window=3, kv=True)
+def test_swa_group_clean_and_off_by_one(xp, device, chain_kind):
+    toy = Toy(xp, device, swa_window=3, kv=True, chain=chain_kind)
     toy.step([1, 2], [6, 2], request_ids=["a", "b"])
     for _ in range(3):
         toy.step([1, 2], [1, 1], request_ids=["a", "b"])
     assert drain(toy.mon, xp) == []
     swa = toy.mon.swa_canary.host_records()
     lut = np.asarray(kc.runtime.to_host(toy.lut))
-    np.testing.assert_array_equal(swa[lut[toy.table_h[1, :9]]], kc.make_records(1000 + np.arange(9), np.arange(9)))
+    np.testing.assert_array_equal(swa[lut[toy.table_h[1, :9]]],
+                                  kc.make_records(1000 + np.arange(9), np.arange(9), chain=chain_kind))
     assert toy.mon.stats()["groups"]["swa"]["max_requested"] == 3 + 3  # two windows of 3
     s = int(toy.table_h[1, 7])  # inside a's window [6, 9)
     toy.lut[s] = int(lut[s]) + 1
@@ -452,8 +454,8 @@ def test_sweep_finds_a_flipped_idle_byte(xp, device):
     assert {v.request for v in found} == {1}  # a tuple chain is named by its index
 
 
-def test_sweep_chain_tokens_and_links_are_checked(xp, device):
-    toy, slots, chains = _idle_sequence(xp, device, sweep_budget=64)
+def test_sweep_chain_tokens_and_links_are_checked(xp, device, chain_kind):
+    toy, slots, chains = _idle_sequence(xp, device, sweep_budget=64, chain=chain_kind)
     bad = [SweepChain(slots[:4], 0, -1, 1000 + np.arange(4) + (np.arange(4) == 2), key="tok"),
            SweepChain(slots[4:], 4, int(slots[2]), key="link")]
     toy.mon.sweep(bad)
@@ -524,8 +526,8 @@ def test_warmup_discards_and_switches_the_position_check(xp, device):
     assert [(v.tag, v.reasons, v.position, v.expected_position) for v in found] == [(T.WRITE, F.WRITE_POSITION, 3, 2)]
 
 
-def test_verify_after_catches_corruption_during_the_forward(xp, device):
-    toy = Toy(xp, device, kv=True, verify_after=True)
+def test_verify_after_catches_corruption_during_the_forward(xp, device, chain_kind):
+    toy = Toy(xp, device, kv=True, verify_after=True, chain=chain_kind)
     toy.step([1], [4], request_ids=["q"])
     slot = int(toy.table_h[1, 1])
     toy.step([1], [1], request_ids=["q"], between=lambda: toy.pool.flip(slot, 0, 3))
@@ -579,12 +581,12 @@ def test_import_does_not_pull_frameworks():
 
 # --- GPU: graph capture and the late poll ------------------------------------------------------
 @pytest.mark.gpu
-def test_cupy_graph_capture_replays_the_checks():
+def test_cupy_graph_capture_replays_the_checks(chain_kind):
     cp = pytest.importorskip("cupy")
     table = cp.zeros((3, 32), cp.int32)
     table[1] = cp.arange(1, 33, dtype=cp.int32)
     mon = kc.KvCanary(num_slots=64, req_to_token=table, max_batch=1, device="cuda", verify_capacity="max",
-                      policy=lambda f: None)
+                      policy=lambda f: None, chain=chain_kind)
     rpi, pre, ext = cp.ones(1, cp.int64), cp.zeros(1, cp.int64), cp.ones(1, cp.int64)
     ids, pos, loc = cp.zeros(1, cp.int64), cp.zeros(1, cp.int64), cp.zeros(1, cp.int64)
     mon.bind_inputs(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, input_ids=ids, positions=pos,
@@ -624,7 +626,7 @@ def test_cupy_graph_capture_replays_the_checks():
     found = replay(range(5, 12))
     assert found == []
     rec = mon.canary.host_records()
-    np.testing.assert_array_equal(rec[1:13], kc.make_records(100 + np.arange(12), np.arange(12)))
+    np.testing.assert_array_equal(rec[1:13], kc.make_records(100 + np.arange(12), np.arange(12), chain=chain_kind))
     assert mon.stats()["steps"] == 7
     table[1, 2] = 40  # corrupt; the next replays' verify must see it
     found = replay(range(12, 14))
@@ -647,8 +649,9 @@ def test_cuda_poll_returns_rows_one_step_late():
     assert first == [] and second and second[0].request == "a"
 
 
-def test_no_warning_on_clean_runs(xp, device):
-    toy = Toy(xp, device, kv=True, swa_window=4, expected=True, verify_after=True)
+@pytest.mark.parametrize("verify_after", [False, True])
+def test_no_warning_on_clean_runs(xp, device, chain_kind, verify_after):
+    toy = Toy(xp, device, kv=True, swa_window=4, expected=True, verify_after=verify_after, chain=chain_kind)
     with warnings.catch_warnings():
         warnings.simplefilter("error", KvCanaryWarning)
         for _ in range(3):

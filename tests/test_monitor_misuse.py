@@ -37,6 +37,8 @@ def a(xp, *v):
     (dict(sweep_budget=0), "sweep_budget", ValueError),
     (dict(real_kv_mode=True), "real_kv_mode", ValueError),
     (dict(verify_capacity=True), "verify_capacity", ValueError),
+    (dict(chain="v2"), "chain", ValueError),
+    (dict(chain=None), "chain", ValueError),
     (dict(swa=kc.SwaGroup(window=2.5, lut=np.arange(64), num_slots=64)), "swa.window", TypeError),
     (dict(swa=kc.SwaGroup(window=4, lut=np.arange(64), num_slots="64")), "swa.num_slots", TypeError),
 ])

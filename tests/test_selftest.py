@@ -11,26 +11,51 @@ import pytest
 from kvcanary_cupy import __main__ as cli
 from kvcanary_cupy import selftest
 from kvcanary_cupy.sim import FAULTS
-from kvcanary_cupy.sim.faults import Fault
+from kvcanary_cupy.sim.faults import Fault, TableRepoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def test_small_run_passes_and_reports_every_class():
+def test_small_run_passes_and_reports_every_class_for_both_chain_kinds():
     lines = []
     report = selftest.run(backend="numpy", steps=60, injections=2, seed=3, progress=lines.append)
     assert report["ok"] and report["backend"] == "numpy"
-    assert report["clean"]["steps"] == 60 and report["clean"]["violations"] == 0
-    assert [c["number"] for c in report["classes"]] == [f.number for f in FAULTS]
-    for c in report["classes"]:
-        assert (c["injected"], c["detected"], c["false_positives"]) == (2, 2, 0)
-        assert c["median_steps"] is not None and 0 <= c["median_steps"] <= selftest.WAIT_STEPS
-    assert any("clean run" in s for s in lines) and sum("/10]" in s for s in lines) == len(FAULTS)
+    assert list(report["chains"]) == ["scan", "sglang"]  # the default runs the campaign once per kind
+    for kind, r in report["chains"].items():
+        assert r["ok"] and r["seconds"] > 0, kind
+        assert r["clean"]["steps"] == 60 and r["clean"]["violations"] == 0
+        assert [c["number"] for c in r["classes"]] == [f.number for f in FAULTS]
+        for c in r["classes"]:
+            assert (c["injected"], c["detected"], c["false_positives"]) == (2, 2, 0)
+            assert c["median_steps"] is not None and 0 <= c["median_steps"] <= selftest.WAIT_STEPS
+    assert any("clean run" in s for s in lines) and sum("/10]" in s for s in lines) == 2 * len(FAULTS)
+    assert "chain kinds scan, sglang" in lines[0] and "per chain kind" in lines[0]
     table = selftest.format_table(report)
-    assert "PASS" in table and "median steps" in table and "false pos." in table
+    assert "chain 'scan': PASS" in table and "chain 'sglang': PASS" in table
+    assert table.splitlines()[-1].startswith("PASS (chain kinds: scan, sglang)")
+    assert "median steps" in table and "false pos." in table
     for f in FAULTS:
-        assert f.name in table
+        assert table.count(f.name) == 2
+
+
+def test_one_chain_kind_runs_alone():
+    report = selftest.run(backend="numpy", steps=20, injections=1, chain="sglang", progress=lambda s: None)
+    assert report["ok"] and list(report["chains"]) == ["sglang"]
+    with pytest.raises(ValueError, match="^kvcanary: chain"):
+        selftest.run(backend="numpy", steps=20, injections=1, chain="v2", progress=lambda s: None)
+
+
+class CaughtOnlyWithTheScanChain(TableRepoint):
+    """A real fault under the scan chain; under the sglang chain it claims a fault that changes nothing."""
+
+    number, name = 97, "caught only with the scan chain"
+
+    def arm(self, sim) -> bool:
+        if sim.cfg.chain == "scan":
+            return super().arm(sim)
+        self._fire(sim, at_next=True)
+        return True
 
 
 class NeverFires(Fault):
@@ -52,8 +77,8 @@ def test_a_missed_or_uninjected_class_fails(monkeypatch, capsys):
     monkeypatch.setattr(selftest, "FAULTS", [NeverFires, NeverCaught])
     monkeypatch.setattr(selftest, "ARM_STEPS", 3)
     report = selftest.run(backend="numpy", steps=10, injections=2, progress=lambda s: None)
-    never, missed = report["classes"]
-    assert not report["ok"]
+    never, missed = report["chains"]["scan"]["classes"]
+    assert not report["ok"] and not report["chains"]["scan"]["ok"] and not report["chains"]["sglang"]["ok"]
     assert (never["injected"], never["detected"]) == (0, 0)
     assert (missed["injected"], missed["detected"], missed["false_positives"]) == (2, 0, 0)
     assert len(missed["misses"]) == 2
@@ -61,13 +86,32 @@ def test_a_missed_or_uninjected_class_fails(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_the_run_fails_when_one_chain_kind_fails(monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "FAULTS", [CaughtOnlyWithTheScanChain])
+    report = selftest.run(backend="numpy", steps=10, injections=2, progress=lambda s: None)
+    assert report["chains"]["scan"]["ok"] and not report["chains"]["sglang"]["ok"] and not report["ok"]
+    assert selftest.main(["--backend", "numpy", "--steps", "10", "--injections", "1", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "chain 'scan': PASS" in out and "chain 'sglang': FAIL" in out and "missed (sglang)" in out
+    assert "\nFAIL (chain kinds: scan, sglang)" in out
+    assert selftest.main(["--backend", "numpy", "--steps", "10", "--injections", "1", "--quiet",
+                          "--chain", "scan"]) == 0
+
+
 def test_main_writes_json(tmp_path, capsys):
     path = tmp_path / "report.json"
     rc = selftest.main(["--backend", "numpy", "--steps", "30", "--injections", "1", "--json", str(path), "--quiet"])
     assert rc == 0
     report = json.loads(path.read_text())
-    assert report["ok"] and len(report["classes"]) == len(FAULTS) and report["seconds"] > 0
+    assert report["ok"] and list(report["chains"]) == ["scan", "sglang"] and report["seconds"] > 0
+    assert all(len(r["classes"]) == len(FAULTS) for r in report["chains"].values())
     assert "PASS" in capsys.readouterr().out
+    rc = selftest.main(["--backend", "numpy", "--steps", "10", "--injections", "1", "--json", str(path), "--quiet",
+                        "--chain", "sglang"])
+    assert rc == 0 and list(json.loads(path.read_text())["chains"]) == ["sglang"]
+    with pytest.raises(SystemExit) as e:
+        selftest.main(["--chain", "v2"])
+    assert e.value.code == 2 and "--chain" in capsys.readouterr().err
 
 
 def fake_cupy(device_count):
@@ -135,13 +179,17 @@ def test_module_entry_point_runs_a_selftest():
 def test_selftest_on_cuda():
     report = selftest.run(backend="cuda", steps=100, injections=2, progress=lambda s: None)
     assert report["ok"] and report["backend"] == "cuda", selftest.format_table(report)
+    assert list(report["chains"]) == ["scan", "sglang"]
 
 
 @pytest.mark.slow
 def test_default_selftest_meets_its_bar():
-    """The shipped defaults: >= 2,000 clean steps, 20 injections per class, all caught, silent, < 60 s."""
+    """The shipped defaults: per chain kind (both) >= 2,000 clean steps, 20 injections per class, all
+    caught, silent; < 60 s in all."""
     report = selftest.run(backend="numpy", progress=lambda s: None)
     assert report["ok"], selftest.format_table(report)
-    assert report["clean"]["steps"] >= 2000 and report["clean"]["violations"] == 0
-    assert all(c["injected"] == c["detected"] == 20 for c in report["classes"])
+    assert list(report["chains"]) == ["scan", "sglang"]
+    for r in report["chains"].values():
+        assert r["clean"]["steps"] >= 2000 and r["clean"]["violations"] == 0
+        assert all(c["injected"] == c["detected"] == 20 for c in r["classes"])
     assert report["seconds"] < 60

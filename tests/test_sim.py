@@ -87,6 +87,22 @@ def test_each_fault_is_caught_by_its_detector(fault, variant):
     assert res.false_positives == 0
 
 
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f"{f.number}")
+def test_each_fault_is_caught_with_the_sglang_chain(fault):
+    res = selftest.ClassResult(fault.number, fault.name, fault.detector, requested=2)
+    for variant in (0, 1):
+        selftest.inject_once(fault, "cpu", 700 + 10 * fault.number + variant, variant, res, chain="sglang")
+    assert res.injected == 2 and res.detected == 2, res.misses
+    assert res.false_positives == 0
+
+
+def test_the_chain_kind_reaches_every_monitor():
+    for kind in ("scan", "sglang"):
+        sim = PagedKvSim(SimConfig(seed=3, chain=kind))
+        assert {m.canary.chain for m in sim.monitors.values()} == {kind} and sim.monitor.swa_canary.chain == kind
+    assert SimConfig().chain == "scan"
+
+
 def test_faults_wait_for_a_target():
     sim = PagedKvSim(SimConfig(seed=2))
     rng = np.random.default_rng(0)

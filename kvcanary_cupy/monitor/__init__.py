@@ -12,6 +12,7 @@ Modules, one job each:
 - ``canary_monitor``: :class:`KvCanary`, the orchestration of a step.
 - ``group``: one watched pool (canary, plans, device scalars, capacity rule) and :class:`SwaGroup`.
 - ``inputs``: bound per-step buffers, per-call imports and the stream a call runs on.
+- ``steps``: a step's op arguments, prepared once per shape of step (bound buffers).
 - ``requests``: which request a violation row belongs to.
 - ``swa``: SWA-pool slots of a step's tokens, through the LUT.
 - ``lifetime``: keeping arrays alive until the device is done with them.

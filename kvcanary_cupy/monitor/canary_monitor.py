@@ -2,9 +2,10 @@
 
 The monitor's jobs live in the modules beside this one: :mod:`.group` (a watched
 pool: canary, plans, scalars, capacity), :mod:`.inputs` (bound buffers, per-call
-imports, the stream), :mod:`.requests` (which request a violation row belongs
-to), :mod:`.swa` (SWA slot translation), :mod:`.lifetime` (keeping arrays alive
-for queued work), :mod:`.policy` (violations, warnings, stats) and :mod:`.sweep`
+imports, the stream), :mod:`.steps` (a step's op arguments, prepared once per
+shape of step), :mod:`.requests` (which request a violation row belongs to),
+:mod:`.swa` (SWA slot translation), :mod:`.lifetime` (keeping arrays alive for
+queued work), :mod:`.policy` (violations, warnings, stats) and :mod:`.sweep`
 (idle cached chains). :class:`KvCanary` runs the ops around the forward and
 hands the rest to them. Given a ``process_group``, each step ends with the
 tensor-parallel agreement of :mod:`kvcanary_cupy.distributed`, and records move
@@ -19,7 +20,7 @@ import numpy as np
 
 from .. import arrays, ops, runtime, scalars, transfer
 from ..canary import CanaryBuffer, RealKvSource
-from ..format import LaunchTag, RealKvMode
+from ..format import DEFAULT_CHAIN, LaunchTag, RealKvMode, check_chain
 from ..plans import ExpectedTokens, SwaWindow, VerifyPlan, WritePlan, check_token_offset
 from ..violations import Violation, ViolationLog
 from .group import SwaGroup, main_group, swa_group
@@ -27,6 +28,7 @@ from .inputs import StepInputs
 from .lifetime import Keepalive
 from .policy import Reporter, apply_policy, check_policy, stats_dict
 from .requests import RequestMap
+from .steps import AfterStep, BeforeStep, StepCache
 from .swa import SwaTranslation
 from .sweep import SweepChain, SweepPlanner
 
@@ -93,6 +95,17 @@ class KvCanary:
             RANK_DIVERGENCE row on every rank, and :meth:`poll` fires on every rank
             in the same poll when any rank found violations. Every rank must run the
             same steps with the same configuration.
+        chain: how records chain, ``"scan"`` (the default, format v2) or ``"sglang"``
+            (v1, byte for byte SGLang's records): the kind of every canary buffer the
+            monitor allocates (the full pool's and the SWA pool's); sweeps and record
+            transfers follow it. See :class:`~kvcanary_cupy.CanaryBuffer`.
+
+    A step's pre-forward check is one :func:`~kvcanary_cupy.plan_and_verify` per group,
+    which on CUDA does not write the verify plan's per-entry arrays
+    (``verify_plan.slot_indices``, ...): only its scalars and offsets, and the write
+    plan. With ``verify_after`` or a ``process_group`` (both read the entries again
+    after the forward) the step runs :func:`~kvcanary_cupy.plan` and
+    :func:`~kvcanary_cupy.verify` instead, which write them.
 
     Verify capacity: a step's verify entries are the prefix positions its active
     rows read, so they never exceed ``max_batch * per_row`` with ``per_row`` the
@@ -129,10 +142,12 @@ class KvCanary:
                  grow_on_overflow: bool = True, verify_after: bool = False,
                  fingerprint_sample_period: int | None = None, ring_capacity: int = 4096,
                  policy: str | Callable = "log", max_tokens: int | None = None, sweep_budget: int = 1024,
-                 sweep_max_chains: int = 64, history: int = 256, process_group=None):
+                 sweep_max_chains: int = 64, history: int = 256, process_group=None, chain: str = DEFAULT_CHAIN):
+        self.chain = check_chain(chain, "chain")
         self.policy = check_policy(policy)
         kind, _ = runtime.parse_device(device)
         self.device = "cpu" if kind == "cpu" else runtime.device_of(runtime.empty((1,), np.int64, device))
+        self._cpu = self.device == "cpu"
         self.xp = runtime.array_module(self.device)
         self.max_batch = scalars.check_int(max_batch, "max_batch", minimum=1)
         num_slots = scalars.check_int(num_slots, "num_slots", minimum=1)
@@ -170,9 +185,10 @@ class KvCanary:
         self.verify_after = scalars.check_flag(verify_after, "verify_after")
         self.main = main_group(num_slots=num_slots, device=self.device, max_batch=self.max_batch, width=width,
                                verify_capacity=verify_capacity, sources=srcs, mode=mode,
-                               sample_period=fingerprint_sample_period, draft=draft)
+                               sample_period=fingerprint_sample_period, draft=draft, chain=self.chain)
         self.swa = None if swa is None else swa_group(swa, device=self.device, max_batch=self.max_batch, width=width,
-                                                      mode=mode, sample_period=fingerprint_sample_period)
+                                                      mode=mode, sample_period=fingerprint_sample_period,
+                                                      chain=self.chain)
         self.groups = [g for g in (self.main, self.swa) if g is not None]
         for g in self.groups:  # misuse shows here, not in the first step
             g.check_sources()
@@ -197,6 +213,10 @@ class KvCanary:
         self._reader = runtime.HostReader(self.device, [g.sc for g in self.groups]
                                           + [self._requests.heads, self.log.counter_array]
                                           + ([self._agreement.state] if self._agreement is not None else []))
+        # Prepared op arguments per shape of step (see .steps); dropped when what they hold changes.
+        self._before_steps = StepCache()
+        self._after_steps = StepCache()
+        self._expected_with_bound = None  # the expected-token table with the bound valid lengths
 
         # --- counts -------------------------------------------------------------
         self._sweeps = 0
@@ -250,6 +270,7 @@ class KvCanary:
         self._inputs.bind(dict(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                                swa_out_cache_loc=swa_out_cache_loc, expected_valid_lens=expected_valid_lens))
+        self._forget_steps()
         loc = self._inputs.bound("out_cache_loc")
         if self.swa is not None and loc is not None:
             self._swa_map.reserve(int(loc.shape[0]), self.swa.swa.lut)
@@ -283,6 +304,7 @@ class KvCanary:
         # Queued work may still read the old arrays.
         self._keepalive.retire((self.table, self.expected_table, self.main.sources,
                                 self.swa and (self.swa.swa, self.swa.sources)), self._inputs.stream(None))
+        self._forget_steps()  # prepared steps hold the old table, LUT and sources
 
         def same(obj, name, like):
             a = arrays.as_index_array(obj, name, ndim=like.ndim, device=self.device)
@@ -400,6 +422,11 @@ class KvCanary:
                 inputs, else CuPy's). Inside a CUDA graph capture pass the
                 capturing stream (e.g. ``torch.cuda.current_stream()``).
 
+        Each group's plan and verify are one :func:`~kvcanary_cupy.plan_and_verify`
+        (see the class docstring for when the separate ops run instead). A step that
+        passes no arrays (bound buffers) and a batch size seen before reuses the op
+        arguments prepared for that size: it validates nothing again and builds nothing.
+
         Example::
 
             >>> import numpy as np, kvcanary_cupy as kc
@@ -408,13 +435,56 @@ class KvCanary:
             >>> mon.before_forward(np.array([1, 2]), np.array([0, 0]), np.array([2, 1]), request_ids=["a", "b"])
             >>> mon.after_forward(np.array([7, 8, 9]), np.array([0, 1, 0]), np.array([16, 17, 32]))
             >>> mon.before_forward(np.array([1, 2]), np.array([2, 1]), np.array([1, 1]), request_ids=["a", "b"])
-            >>> mon.verify_plan.host_entries()["slot_indices"].tolist()  # a's prefix, then b's
-            [16, 17, 32]
+            >>> mon.stats()["slots_checked"]  # a's prefix (2 records), then b's (1)
+            3
         """
         if self._step_open is not None:
             raise ValueError("kvcanary: before_forward: the previous step is still open; call after_forward() "
                              "after the forward (or abort_step() if the forward failed) before planning the next")
-        objs = (req_pool_indices, prefix_lens, extend_lens)
+        step = None
+        if (req_pool_indices is None and prefix_lens is None and extend_lens is None and expected_valid_lens is None
+                and (batch_size is None or type(batch_size) is int)
+                and (expected is None or type(expected) is ExpectedTokens)):
+            key = (batch_size, expected)
+            step = self._before_steps.get(key)
+            if step is None:
+                step = self._before_step(None, None, None, batch_size, None, expected)
+                self._before_steps.put(key, step)
+        if step is None:
+            step = self._before_step(req_pool_indices, prefix_lens, extend_lens, batch_size, expected_valid_lens,
+                                     expected)
+        if request_ids is not None and len(request_ids) != step.bs:
+            raise ValueError(f"kvcanary: request_ids: expected one id per batch row ({step.bs}), "
+                             f"got {len(request_ids)}")
+        if self._cpu:
+            ptr, capturing = None, False
+        else:
+            ptr = self._inputs.stream(stream, step.objs)
+            capturing = self._inputs.capturing(ptr)
+        self._requests.step(ptr, capturing=capturing, request_ids=request_ids)
+        if step.valid_lens is not None:
+            self._fill_valid_lens(step, ptr)
+        repair = self._cpu and self.grow_on_overflow  # on a GPU: at the next poll
+        if not self.verify_after and self._agreement is None:
+            for g, args, verify_args, fused_args in step.groups:
+                ops.plan_and_verify(g.vp, g.wp, g.canary, stream=ptr, **fused_args)
+                if repair and g.may_overflow:
+                    grown = g.repair_fused(args, verify_args, stream=ptr)
+                    if grown is not None:
+                        self._reporter.repaired(g.name, *grown)
+        else:  # the verify after the write and the ranks' agreement read the entries again
+            for g, args, verify_args, _ in step.groups:
+                grown = g.plan(args, repair=repair and g.may_overflow, stream=ptr)
+                if grown is not None:
+                    self._reporter.repaired(g.name, *grown)
+                ops.verify(g.canary, g.vp, stream=ptr, **verify_args)
+        if not capturing:
+            self._steps += 1
+        self._step_open = (ptr, step.check_tokens)
+
+    def _before_step(self, req_pool_indices, prefix_lens, extend_lens, batch_size, expected_valid_lens,
+                     expected) -> BeforeStep:
+        """Import and check a step's arguments (the bound buffers where None) and lay out the ops'."""
         if batch_size is not None:
             batch_size = scalars.check_int(batch_size, "batch_size", minimum=0)
         arg = self._inputs.arg
@@ -424,40 +494,52 @@ class KvCanary:
         ext = arg(extend_lens, "extend_lens", bs, min_len=bs)
         if bs > self.max_batch:
             raise ValueError(f"kvcanary: req_pool_indices: a batch of {bs} rows exceeds max_batch = {self.max_batch}")
-        if request_ids is not None and len(request_ids) != bs:
-            raise ValueError(f"kvcanary: request_ids: expected one id per batch row ({bs}), got {len(request_ids)}")
-        ptr = self._inputs.stream(stream, objs)
-        capturing = runtime.is_capturing(self.device, ptr)
-        self._requests.step(ptr, capturing=capturing, request_ids=request_ids)
-
-        exp = expected
+        exp, valid_lens = expected, None
         if exp is None and self._expected is not None:
             exp = self._expected
-            self._fill_valid_lens(expected_valid_lens, pre, ext, bs, ptr)
-        args = dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, expected=exp, stream=ptr)
-        args[self._table_kw] = self.table
-        if self._table_kw == "block_table":
-            args["page_size"] = self.page_size
-        repair = self.device == "cpu" and self.grow_on_overflow  # on a GPU: at the next poll
-        for g in self.groups:
-            grown = g.plan(args, repair=repair)
-            if grown is not None:
-                self._reporter.repaired(g.name, *grown)
-            ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_verify, real_kv=g.sources,
-                       real_kv_mode=g.mode, check_tokens=exp is not None, sample=g.sampler, stream=ptr)
-        if not capturing:
-            self._steps += 1
-        self._step_open = (ptr, exp is not None)
-
-    def _fill_valid_lens(self, given, pre, ext, bs: int, ptr) -> None:
-        """The bound expected-token table's valid lengths for this step: ``given`` (or the bound
-        buffer), else ``prefix_lens + extend_lens``."""
-        with runtime.on_stream(self.device, ptr):
-            if given is not None or "expected_valid_lens" in self._inputs:
-                vl = self._inputs.arg(given, "expected_valid_lens", bs, min_len=bs)
-                self.xp.copyto(self._valid_lens[:bs], vl, casting="same_kind")
+            if expected_valid_lens is not None:  # this step's own: copied into the monitor's buffer
+                valid_lens = (arg(expected_valid_lens, "expected_valid_lens", bs, min_len=bs), None,
+                              self._valid_lens[:bs])
+            elif "expected_valid_lens" in self._inputs:  # bound: the plan reads the buffer in place
+                arg(None, "expected_valid_lens", bs)  # (it holds the batch's rows)
+                exp = self._expected_bound()
             else:
-                self.xp.add(pre, ext, out=self._valid_lens[:bs])
+                valid_lens = (pre, ext, self._valid_lens[:bs])
+        table = {self._table_kw: self.table}
+        if self._table_kw == "block_table":
+            table["page_size"] = self.page_size
+        groups = []
+        for g in self.groups:
+            args = dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, expected=exp, swa=g.swa, **table)
+            verify_args = dict(log=self.log, tag=g.tag_verify, real_kv=g.sources, real_kv_mode=g.mode,
+                               check_tokens=exp is not None, sample=g.sampler)
+            groups.append((g, args, verify_args, {**args, **verify_args}))
+        return BeforeStep(bs=bs, objs=(req_pool_indices, prefix_lens, extend_lens), valid_lens=valid_lens,
+                          check_tokens=exp is not None, groups=tuple(groups))
+
+    def _fill_valid_lens(self, step: BeforeStep, ptr) -> None:
+        """The bound expected-token table's valid lengths for this step: the given ones, else
+        ``prefix_lens + extend_lens``."""
+        a, b, out = step.valid_lens
+        with runtime.on_stream(self.device, ptr):
+            if b is None:
+                self.xp.copyto(out, a, casting="same_kind")
+            else:
+                self.xp.add(a, b, out=out)
+
+    def _expected_bound(self) -> ExpectedTokens:
+        """The expected-token table with the bound ``expected_valid_lens`` buffer, made once per
+        binding (the same object every step, so the plan's prepared launch is reused)."""
+        if self._expected_with_bound is None:
+            self._expected_with_bound = ExpectedTokens(self.expected_table, self._inputs.bound("expected_valid_lens"),
+                                                       self.token_offset)
+        return self._expected_with_bound
+
+    def _forget_steps(self) -> None:
+        """Drop the prepared steps (what they hold was replaced)."""
+        self._before_steps.clear()
+        self._after_steps.clear()
+        self._expected_with_bound = None
 
     def abort_step(self) -> None:
         """Close a step whose forward failed: nothing is stamped, ``stats()["aborted_steps"]``
@@ -512,38 +594,59 @@ class KvCanary:
         if self._step_open is None:
             raise ValueError("kvcanary: after_forward: expected a preceding before_forward() for this step")
         ptr0, checked_tokens = self._step_open
-        if num_tokens is not None:
-            num_tokens = scalars.check_int(num_tokens, "num_tokens", minimum=0)
-        # Every argument of every group is imported and checked before the first launch, so a
-        # misuse raises with no record changed (the step stays open: fix the call and repeat it).
-        objs = (input_ids, positions, out_cache_loc)
-        arg = self._inputs.arg
-        ids = arg(input_ids, "input_ids", num_tokens)
-        pos = arg(positions, "positions", num_tokens)
-        loc = arg(out_cache_loc, "out_cache_loc", num_tokens)
-        ptr = self._inputs.stream(stream, objs) if stream is not None or any(o is not None for o in objs) else ptr0
-        exp_in = None
-        if expected_input_ids is not None or expected_positions is not None:
-            exp_in = (None if expected_input_ids is None else arg(expected_input_ids, "expected_input_ids", None),
-                      None if expected_positions is None else arg(expected_positions, "expected_positions", None))
-        locs = [self._swa_loc(loc, swa_out_cache_loc, ptr) if g is self.swa else loc for g in self.groups]
+        step = None
+        if (input_ids is None and positions is None and out_cache_loc is None and swa_out_cache_loc is None
+                and expected_input_ids is None and expected_positions is None
+                and (num_tokens is None or type(num_tokens) is int)):
+            step = self._after_steps.get(num_tokens)
+            if step is None:
+                step = self._after_step(None, None, None, num_tokens, None, None, None)
+                self._after_steps.put(num_tokens, step)
+        if step is None:
+            # Every argument of every group is imported and checked before the first launch, so a
+            # misuse raises with no record changed (the step stays open: fix the call and repeat it).
+            step = self._after_step(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
+                                    expected_input_ids, expected_positions)
+        ptr = self._inputs.stream(stream, step.objs) if stream is not None or step.given else ptr0
+        swa_loc = self._swa_map.translate(step.loc, self.swa.swa.lut, ptr) if step.translate else None
         self._step_open = None
-        for g, gloc in zip(self.groups, locs):
-            ops.write(g.canary, g.wp, input_ids=ids, positions=pos, out_cache_loc=gloc, log=self.log,
-                      tag=g.tag_write, real_kv=g.sources, real_kv_mode=g.mode,
-                      expected_inputs=exp_in, stream=ptr)
+        ids, pos = step.ids, step.pos
+        for g, loc, write_args in step.groups:
+            ops.write(g.canary, g.wp, input_ids=ids, positions=pos, out_cache_loc=swa_loc if loc is None else loc,
+                      stream=ptr, **write_args)
         if self.verify_after:
             for g in self.groups:
                 ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_after, real_kv=g.sources,
                            real_kv_mode=g.mode, check_tokens=checked_tokens, sample=g.sampler, stream=ptr)
         if self._agreement is not None:
+            locs = [swa_loc if loc is None else loc for _, loc, _ in step.groups]
             self._agreement.after_step(self.groups, input_ids=ids, positions=pos, locs=locs, ptr=ptr)
 
-    def _swa_loc(self, loc, given, ptr):
-        """The SWA-pool slots of the step's tokens: given (or bound), else ``loc`` through the LUT."""
-        if given is not None or "swa_out_cache_loc" in self._inputs:
-            return self._inputs.arg(given, "swa_out_cache_loc", int(loc.shape[0]))
-        return self._swa_map.translate(loc, self.swa.swa.lut, ptr)
+    def _after_step(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc, expected_input_ids,
+                    expected_positions) -> AfterStep:
+        """Import and check a step's write arguments (the bound buffers where None) and lay out the ops'."""
+        if num_tokens is not None:
+            num_tokens = scalars.check_int(num_tokens, "num_tokens", minimum=0)
+        arg = self._inputs.arg
+        ids = arg(input_ids, "input_ids", num_tokens)
+        pos = arg(positions, "positions", num_tokens)
+        loc = arg(out_cache_loc, "out_cache_loc", num_tokens)
+        exp_in = None
+        if expected_input_ids is not None or expected_positions is not None:
+            exp_in = (None if expected_input_ids is None else arg(expected_input_ids, "expected_input_ids", None),
+                      None if expected_positions is None else arg(expected_positions, "expected_positions", None))
+        translate, groups = False, []
+        for g in self.groups:
+            gloc = loc
+            if g is self.swa:
+                if swa_out_cache_loc is not None or "swa_out_cache_loc" in self._inputs:
+                    gloc = arg(swa_out_cache_loc, "swa_out_cache_loc", int(loc.shape[0]))
+                else:
+                    gloc, translate = None, True
+            groups.append((g, gloc, dict(log=self.log, tag=g.tag_write, real_kv=g.sources, real_kv_mode=g.mode,
+                                         expected_inputs=exp_in)))
+        return AfterStep(objs=(input_ids, positions, out_cache_loc), ids=ids, pos=pos, loc=loc, translate=translate,
+                         groups=tuple(groups))
 
     # ------------------------------------------------------------------ graphs
     def note_step(self, request_ids=None) -> None:
@@ -619,7 +722,8 @@ class KvCanary:
         CUDA), gathered on the monitor's stream without a host sync. A record's link is
         derived from its predecessor's record alone (token, position, link), never from
         a slot id, so records moved with their KV into other slots still chain: see
-        :meth:`import_slots` and :func:`kvcanary_cupy.export_records`.
+        :meth:`import_slots` and :func:`kvcanary_cupy.export_records`. The links are
+        this monitor's ``chain`` kind: the receiving monitor must use the same kind.
 
         Args:
             slots: host integers ``[n]`` (a NumPy array, a list, a CPU tensor), each in
@@ -647,7 +751,8 @@ class KvCanary:
         those slots checks the chain and positions against this monitor's own slot
         table and the fingerprints against the KV bytes that arrived: a byte corrupted
         in transit is a REAL_KV violation, KV landing in the wrong slots a CHAIN /
-        POSITION one.
+        POSITION one. The records must come from a monitor of the same ``chain`` kind
+        (links of the other kind fail the chain check).
 
         Args:
             slots: host integers ``[n]``, each in ``[1, num_slots)``, none twice.
@@ -765,9 +870,9 @@ class KvCanary:
         tensor-parallel agreement's ``group_violations`` (rows the whole process
         group logged: every rank's checks' plus each divergence row once, as of
         the latest agreement), ``divergences`` (ranks found differing, summed over
-        steps) and ``agreement_steps`` (all 0 without a ``process_group``), and
-        per group ``groups[name]`` with ``capacity``, ``max_requested``,
-        ``overflows``, ``input_errors``.
+        steps) and ``agreement_steps`` (all 0 without a ``process_group``), the
+        ``chain`` kind of the monitor's canaries, and per group ``groups[name]``
+        with ``capacity``, ``max_requested``, ``overflows``, ``input_errors``.
 
         Example::
 
@@ -777,8 +882,8 @@ class KvCanary:
             >>> mon.before_forward(np.array([1]), np.array([0]), np.array([3]))
             >>> mon.after_forward(np.array([7, 8, 9]), np.array([0, 1, 2]), np.array([16, 17, 18]))
             >>> s = mon.stats()
-            >>> s["steps"], s["slots_written"], s["groups"]["main"]["capacity"]
-            (1, 3, 32)
+            >>> s["steps"], s["slots_written"], s["groups"]["main"]["capacity"], s["chain"]
+            (1, 3, 32, 'scan')
         """
         per = {}
         now = self._reader.read_now()
@@ -788,7 +893,8 @@ class KvCanary:
                            "overflows": c["overflows"], "input_errors": c["input_errors"]}
         agreement = None if self._agreement is None else self._agreement.stats(now[len(self.groups) + 2])
         return stats_dict(steps=self._steps, aborted=self._aborted, violations=self._violations, log=self.log,
-                          groups=per, sweeps=self._sweeps, sweep_entries=self._sweep_entries, agreement=agreement)
+                          groups=per, sweeps=self._sweeps, sweep_entries=self._sweep_entries, agreement=agreement,
+                          chain=self.chain)
 
     # ------------------------------------------------------------------ expected tokens
     def record_tokens(self, req_pool_indices, tokens, offsets, stream=None) -> None:

@@ -3,7 +3,9 @@
 A monitor watches the full KV pool and, optionally, a sliding-window pool next to
 it; each is a :class:`Group`. A group's device scalars (those of its verify plan,
 then those of its write plan) are slices of one int64 array, so the host reads a
-group in one copy; the layout is defined by the plans' own field names.
+group in one copy; the layout is defined by the plans' own field names. Every
+group of a monitor chains its records the same way (its ``chain`` kind, see
+:class:`~kvcanary_cupy.CanaryBuffer`).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numpy as np
 
 from .. import arrays, ops, runtime, scalars
 from ..canary import CanaryBuffer, RealKvSource
-from ..format import LaunchTag, RealKvMode
+from ..format import CTR_KERNEL_RUNS, CTR_VERIFIES_SKIPPED, LaunchTag, RealKvMode
 from ..plans import FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
 
 # The group's scalar array: VerifyPlan's scalars, then WritePlan's, each named (plan, field).
@@ -82,10 +84,10 @@ class Group:
     """One canary buffer with the plans, sources and tags that go with it."""
 
     def __init__(self, name: str, *, num_slots: int, device: str, max_batch: int, capacity: int,
-                 hard_capacity: int, swa: SwaWindow | None, sources, mode, sample_period, tags):
+                 hard_capacity: int, swa: SwaWindow | None, sources, mode, sample_period, tags, chain: str):
         self.name = name
         self.device = device
-        self.canary = CanaryBuffer.allocate(num_slots=num_slots, device=device)
+        self.canary = CanaryBuffer.allocate(num_slots=num_slots, device=device, chain=chain)
         self.sc = runtime.empty((len(SCALAR_LAYOUT),), np.int64, device, fill=0)
         self._verify_scalars = {f: self._scalar("verify", f) for f in VERIFY_SCALARS}
         write = {f: self._scalar("write", f) for f in WRITE_SCALARS}
@@ -93,6 +95,9 @@ class Group:
         write["num_rows"].fill(-1)  # never planned, like WritePlan.allocate
         self.hard_capacity = hard_capacity
         self.vp = self._verify_plan(capacity, offsets=runtime.empty((max_batch + 1,), np.int64, device, fill=0))
+        # Whether a step can ask for more entries than the plan holds (see capacity_rule: no step
+        # asks for more than the hard bound), so the CPU's repair needs to look at all.
+        self.may_overflow = capacity < hard_capacity
         self.wp = WritePlan.from_buffers(offsets=runtime.empty((max_batch + 1,), np.int64, device, fill=0),
                                          seed_slots=runtime.empty((max_batch,), np.int64, device, fill=-1), **write)
         self.swa = swa
@@ -120,29 +125,61 @@ class Group:
         if self.hard_capacity:
             new = min(new, max(self.hard_capacity, int(requested)))
         self.vp = self._verify_plan(new, offsets=self.vp.offsets)
+        self.may_overflow = new < self.hard_capacity
         return new
 
-    def plan(self, args: dict, *, repair: bool) -> tuple[int, int, int] | None:
-        """Plan a step into both plans (``args``: :func:`kvcanary_cupy.plan`'s, but the plans and ``swa``).
+    def plan(self, args: dict, *, repair: bool, stream) -> tuple[int, int, int] | None:
+        """Plan a step into both plans (``args``: :func:`kvcanary_cupy.plan`'s, but the plans and
+        the stream), writing the verify entries.
 
         With ``repair`` (the CPU, where reading the plan costs nothing) a verify plan that
         overflowed is grown and planned again at once; returns ``(requested, old capacity,
         new capacity)`` then, else None. The first plan counted the overflow and the step's
         bad rows; the re-plan counts nothing again.
         """
-        ops.plan(self.vp, self.wp, swa=self.swa, **args)
+        ops.plan(self.vp, self.wp, stream=stream, **args)
         if not repair:
             return None
         vp = self.vp
         requested, capacity = int(vp.requested[0]), vp.capacity
         if requested <= capacity:
             return None
+        return requested, capacity, self._replan(args, requested, stream)
+
+    def repair_fused(self, args: dict, verify_args: dict, *, stream) -> tuple[int, int, int] | None:
+        """After :func:`kvcanary_cupy.plan_and_verify` of a step (CPU): grow a verify plan that
+        overflowed, plan it again and verify it, as :meth:`plan` with ``repair`` and a verify
+        would have. ``args``, ``verify_args``: :func:`kvcanary_cupy.plan`'s and
+        :func:`kvcanary_cupy.verify`'s (but the plans, the canary and the stream). Returns
+        ``(requested, old capacity, new capacity)``, or None when the plan fit.
+
+        The fused op's verify of the overflowed plan checked nothing; its only effects (a
+        kernel run, a skipped verify, a sampler step) are taken back first, so the step
+        leaves the counters of one verify of the grown plan.
+        """
+        vp = self.vp
+        requested, capacity = int(vp.requested[0]), vp.capacity
+        if requested <= capacity:
+            return None
+        log = verify_args["log"]
+        log.counter_array[CTR_KERNEL_RUNS] -= 1
+        log.counter_array[CTR_VERIFIES_SKIPPED] -= 1
+        if self.sampler is not None and self.sources and self.mode != RealKvMode.NONE:  # the sampler ran
+            self.sampler.state[0] -= 1
+        grown = self._replan(args, requested, stream)
+        ops.verify(self.canary, self.vp, stream=stream, **verify_args)
+        return requested, capacity, grown
+
+    def _replan(self, args: dict, requested: int, stream) -> int:
+        """Grow the verify plan for ``requested`` entries and plan its entries again (CPU); the
+        counters the first plan kept (input errors, overflows, largest request) stay as they
+        were. Returns the new capacity."""
         grown = self.grow(requested)
         counted = {f: int(getattr(self.vp, f)[0]) for f in ("input_errors", "overflows", "max_requested")}
-        ops.plan(self.vp, None, swa=self.swa, **args)
+        ops.plan(self.vp, None, stream=stream, **args)
         for f, v in counted.items():
             getattr(self.vp, f)[0] = v
-        return requested, capacity, grown
+        return grown
 
     def reset_counters(self) -> None:
         """Zero the cumulative counters (on the current stream)."""
@@ -158,18 +195,18 @@ class Group:
 
 
 def main_group(*, num_slots: int, device: str, max_batch: int, width: int, verify_capacity, sources, mode,
-               sample_period, draft: bool) -> Group:
+               sample_period, draft: bool, chain: str) -> Group:
     """The full pool's group."""
     cap, hard = capacity_rule(verify_capacity, max_batch=max_batch, width=width, num_slots=num_slots,
                               window=None, name="verify_capacity")
     tags = ((LaunchTag.VERIFY_DRAFT, LaunchTag.WRITE_DRAFT, LaunchTag.VERIFY_AFTER) if draft else
             (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.VERIFY_AFTER))
     return Group("main", num_slots=num_slots, device=device, max_batch=max_batch, capacity=cap, hard_capacity=hard,
-                 swa=None, sources=sources, mode=mode, sample_period=sample_period, tags=tags)
+                 swa=None, sources=sources, mode=mode, sample_period=sample_period, tags=tags, chain=chain)
 
 
-def swa_group(spec: SwaGroup, *, device: str, max_batch: int, width: int, mode, sample_period) -> Group:
-    """The sliding-window pool's group, from its :class:`SwaGroup` (``mode``: the monitor's)."""
+def swa_group(spec: SwaGroup, *, device: str, max_batch: int, width: int, mode, sample_period, chain: str) -> Group:
+    """The sliding-window pool's group, from its :class:`SwaGroup` (``mode``, ``chain``: the monitor's)."""
     if not isinstance(spec, SwaGroup):
         raise TypeError(f"kvcanary: swa: expected a SwaGroup, got {type(spec).__name__}")
     window = SwaWindow(scalars.check_int(spec.window, "swa.window", minimum=1),
@@ -182,4 +219,4 @@ def swa_group(spec: SwaGroup, *, device: str, max_batch: int, width: int, mode, 
                               window=window.size, name="swa.verify_capacity")
     return Group("swa", num_slots=num_slots, device=device, max_batch=max_batch, capacity=cap, hard_capacity=hard,
                  swa=window, sources=sources, mode=smode, sample_period=sample_period,
-                 tags=(LaunchTag.VERIFY_SWA, LaunchTag.WRITE_SWA, LaunchTag.VERIFY_SWA))
+                 tags=(LaunchTag.VERIFY_SWA, LaunchTag.WRITE_SWA, LaunchTag.VERIFY_SWA), chain=chain)

@@ -45,6 +45,15 @@ class StepInputs:
         self._keepalive = keepalive
         self._bound: dict = {}
         self._slices: dict = {}  # (name, n) -> the bound view's first n rows, made once
+        # The last stream object a call passed and its handle: a stream's handle never changes,
+        # and holding the object keeps the handle from going to another stream.
+        self._last_stream = self._last_ptr = None
+        self._current_ptr = None
+        if not self._cpu:
+            # Looked up once: a step asks for the current stream and the capture state every time.
+            cp = runtime.cupy()
+            self._current_stream = cp.cuda.get_current_stream
+            self._stream_is_capturing = cp.cuda.runtime.streamIsCapturing
 
     def __contains__(self, name: str) -> bool:
         return name in self._bound
@@ -92,6 +101,30 @@ class StepInputs:
         current stream for a PyTorch engine, else the default of the inputs ``objs``."""
         if self._cpu:
             return None
-        if stream is None and self.torch_inputs and "torch" in sys.modules:
-            return int(sys.modules["torch"].cuda.current_stream().cuda_stream)
-        return runtime.resolve_stream(stream, objs)
+        if stream is None:
+            if self.torch_inputs and "torch" in sys.modules:
+                ptr = sys.modules["torch"].cuda.current_stream().cuda_stream
+            else:
+                for o in objs:
+                    if o is not None:  # a caller's array may name its own default stream (PyTorch's)
+                        return runtime.resolve_stream(None, objs)
+                ptr = self._current_stream().ptr
+            if ptr != self._current_ptr:
+                self._current_ptr = int(ptr)
+            return self._current_ptr  # the same int object while the stream stays: ops then match it by identity
+        if type(stream) is int:
+            return stream
+        if stream is self._last_stream:
+            return self._last_ptr
+        ptr = runtime.resolve_stream(stream, objs)
+        self._last_stream, self._last_ptr = stream, ptr
+        return ptr
+
+    def capturing(self, ptr) -> bool:
+        """Whether stream ``ptr`` is being captured into a CUDA graph (False on the CPU)."""
+        if self._cpu:
+            return False
+        try:
+            return bool(self._stream_is_capturing(ptr))
+        except Exception:  # noqa: BLE001  (the runtime's own fallback asks PyTorch)
+            return runtime.is_capturing(self.device, ptr)

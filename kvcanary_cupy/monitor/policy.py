@@ -121,14 +121,15 @@ AGREEMENT_STATS = ("group_violations", "divergences", "agreement_steps")
 
 
 def stats_dict(*, steps: int, aborted: int, violations: int, log, groups: dict, sweeps: int,
-               sweep_entries: int, agreement: dict | None = None) -> dict:
+               sweep_entries: int, agreement: dict | None = None, chain: str) -> dict:
     """The dict :meth:`KvCanary.stats` returns; ``groups`` maps each group's name to its
     ``capacity``, ``max_requested``, ``overflows`` and ``input_errors``; ``agreement`` holds
-    the tensor-parallel counters (None: no process group, all 0)."""
+    the tensor-parallel counters (None: no process group, all 0); ``chain`` is the monitor's
+    chain kind."""
     agreement = agreement if agreement is not None else dict.fromkeys(AGREEMENT_STATS, 0)
     return {"steps": steps, "aborted_steps": aborted, "violations": violations, "logged": log.count,
             "dropped": log.dropped,
             "overflows": sum(p["overflows"] for p in groups.values()),
             "input_errors": sum(p["input_errors"] for p in groups.values()),
             **log.counters(), "sweeps": sweeps, "sweep_entries": sweep_entries,
-            **{k: agreement[k] for k in AGREEMENT_STATS}, "groups": groups}
+            **{k: agreement[k] for k in AGREEMENT_STATS}, "chain": chain, "groups": groups}

@@ -7,6 +7,11 @@ sequence whose snapshot is <= i, and that sequence's request ids name its batch
 rows. Tags stay plain LaunchTags, so launches (and their cached kernel arguments)
 are the same every step. Graph replays run no Python: captured sequences map
 through the ids :meth:`RequestMap.replay` records for each replay.
+
+A step that names no requests needs no sequence of its own when the newest one
+names none either: its rows then fall in that sequence and map to no request,
+exactly as in their own. Such a step records nothing (no snapshot copy); an engine
+that never names requests pays nothing here.
 """
 from __future__ import annotations
 
@@ -45,6 +50,18 @@ class RequestMap:
         self.replays = 0
         self._replay_ids: collections.OrderedDict = collections.OrderedDict()
         self._staged_replay = 0
+        self._named = False  # whether rows of the newest sequence may name requests
+        if not self._cpu:
+            # The head snapshot is one 8-byte device-to-device copy per step, queued straight on
+            # the step's stream: no CuPy operation (a kernel, views, stream switches) on the hot
+            # path. A captured graph records it as a copy node, so every replay snapshots anew.
+            cp = runtime.cupy()
+            rt = cp.cuda.runtime
+            self._memcpy_async, self._get_device = rt.memcpyAsync, rt.getDevice
+            self._d2d = getattr(rt, "memcpyDeviceToDevice", 3)
+            self._device_id = int(self.heads.device.id)
+            self._heads_ptr, self._head_ptr = int(self.heads.data.ptr), int(log.head.data.ptr)
+            self._device_ctx = cp.cuda.Device
 
     @property
     def captured(self) -> bool:
@@ -57,9 +74,11 @@ class RequestMap:
         k = self.seq % self.history
         if self._cpu:
             self.heads[k] = self._log.head[0]
+        elif self._get_device() == self._device_id:
+            self._memcpy_async(self._heads_ptr + 8 * k, self._head_ptr, 8, self._d2d, ptr)
         else:
-            with runtime.on_stream(self.device, ptr):
-                self.heads[k:k + 1] = self._log.head  # a device copy: captured graphs keep it per replay
+            with self._device_ctx(self._device_id):
+                self._memcpy_async(self._heads_ptr + 8 * k, self._head_ptr, 8, self._d2d, ptr)
         return self.seq
 
     def _remember(self, store: collections.OrderedDict, key, ids) -> None:
@@ -67,18 +86,24 @@ class RequestMap:
         while len(store) > self.history:
             store.popitem(last=False)
 
-    def step(self, ptr, *, capturing: bool, request_ids) -> int:
-        """Open a step's sequence (before its first launch); returns its number."""
+    def step(self, ptr, *, capturing: bool, request_ids) -> int | None:
+        """Open a step's sequence (before its first launch); returns its number, or None when
+        the step needs none (it names no requests, nor does the newest sequence, and no graph
+        was captured: see the module docstring)."""
+        if request_ids is None and not (capturing or self._named or self._captured_seqs):
+            return None
         seq = self._next_seq(ptr)
         if capturing:
             self._captured_seqs.add(seq)
         self._remember(self._ids, seq, request_ids)
+        self._named = capturing or request_ids is not None  # replays of a captured step name their rows
         return seq
 
     def sweep(self, ptr, keys) -> int:
         """Open a sweep's sequence; its rows name the chains' ``keys``."""
         seq = self._next_seq(ptr)
         self._remember(self._ids, seq, keys)
+        self._named = True
         return seq
 
     def replay(self, request_ids) -> None:

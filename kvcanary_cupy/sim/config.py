@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..format import RealKvMode
+from ..format import DEFAULT_CHAIN, RealKvMode, check_chain
 
 
 @dataclass
@@ -34,6 +34,7 @@ class SimConfig:
 
     Monitor:
         real_kv_mode, sample_period, sweep_budget, verify_after: passed to the monitors.
+        chain: the monitors' chain kind, ``"scan"`` (default) or ``"sglang"``.
     """
 
     device: str = "cpu"
@@ -59,9 +60,11 @@ class SimConfig:
     sample_period: int | None = None
     sweep_budget: int = 96
     verify_after: bool = False
+    chain: str = DEFAULT_CHAIN
     seed: int = 0
 
     def __post_init__(self):
+        check_chain(self.chain, "SimConfig.chain")
         if self.page_size < 1 or self.block % self.page_size:
             raise ValueError(f"kvcanary: SimConfig.block: expected a multiple of page_size {self.page_size}, "
                              f"got {self.block}")

@@ -143,7 +143,7 @@ class PagedKvSim:
                        real_kv=(self.swa_kv.source(),)) if cfg.swa_window else None
         common = dict(num_slots=n_slots, max_batch=cfg.max_batch, device=dev, expected_tokens=self.expected.dev,
                       real_kv_mode=cfg.real_kv_mode, fingerprint_sample_period=cfg.sample_period,
-                      policy=lambda found: None, verify_after=cfg.verify_after, **tkw)
+                      policy=lambda found: None, verify_after=cfg.verify_after, chain=cfg.chain, **tkw)
         self.monitor = KvCanary(real_kv=(self.k.source(), self.v.source()), swa=swa, max_tokens=mt,
                                 sweep_budget=cfg.sweep_budget, **common)
         i = self.inp

@@ -1,0 +1,184 @@
+"""Decode throughput of transformers' continuous batching with and without the canary.
+
+``model.generate_batch`` on a Llama of hidden size 2048 and 16 layers with random bf16
+weights, greedy, at batch 1, 8 and 64: decode tokens/s without and with
+``kvcanary_cupy.integrations.transformers.watch``, the median of several runs each
+(alternating), the overhead, and the canary's own cost per step: host time (the
+watch's hooks, monitor calls included) and device time (CUDA events on the engine's
+compute stream around the canary's launches).
+
+    python -m bench.transformers_overhead                       # CUDA (from the top of a checkout)
+    python -m bench.transformers_overhead --cuda-graphs         # the engine's CUDA graphs on
+    python -m bench.transformers_overhead --device cpu --small  # a dry run of the harness on the CPU
+
+Decode tokens/s comes from the engine's per-token timestamps: tokens produced while
+every request of the batch is decoding (after the last prefill, before the first
+request finishes), over that window. Prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+BIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+           num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, max_position_embeddings=1024)
+
+
+def build_model(device: str, small: bool):
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    dtype = torch.float32 if small else torch.bfloat16
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**(SMALL if small else BIG)))
+    finally:
+        torch.set_default_dtype(saved)
+    return model.eval()
+
+
+def decode_rate(results) -> tuple[float, int]:
+    """(decode tokens/s while every request decodes, tokens counted) from the per-token timestamps."""
+    stamps = [r.timestamps for r in results.values() if r.timestamps]
+    start = max(s[0] for s in stamps)
+    end = min(s[-1] for s in stamps)
+    n = sum(sum(1 for t in s if start < t <= end) for s in stamps)
+    return (n / (end - start) if end > start else 0.0), n
+
+
+class DeviceTimer:
+    """CUDA events around the canary's launches on the engine's compute stream (bench instrumentation)."""
+
+    def __init__(self):
+        self.pairs = []
+        self._saved = None
+
+    def __enter__(self):
+        import torch  # noqa: PLC0415
+
+        from kvcanary_cupy.integrations.transformers.engine import EngineCanary  # noqa: PLC0415
+
+        self._saved = {n: getattr(EngineCanary, n) for n in ("before_step", "after_forward", "poll")}
+
+        def timed(fn):
+            def run(eng, *args):
+                if eng.stream is None:
+                    return fn(eng, *args)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(eng.stream)
+                try:
+                    return fn(eng, *args)
+                finally:
+                    b.record(eng.stream)
+                    self.pairs.append((a, b))
+            return run
+
+        for n, fn in self._saved.items():
+            setattr(EngineCanary, n, timed(fn))
+        return self
+
+    def __exit__(self, *exc):
+        from kvcanary_cupy.integrations.transformers.engine import EngineCanary  # noqa: PLC0415
+
+        for n, fn in self._saved.items():
+            setattr(EngineCanary, n, fn)
+        return False
+
+    def total_ms(self) -> float:
+        import torch  # noqa: PLC0415
+
+        torch.cuda.synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.pairs)
+
+
+def one_run(model, prompts, gen, config, *, canary: bool, device: str):
+    from kvcanary_cupy.integrations.transformers import watch  # noqa: PLC0415
+
+    if not canary:
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config,
+                                   record_timestamps=True)
+        return decode_rate(out) + (None, None, None)
+    timer = DeviceTimer()
+    with watch(model, policy="raise") as w, timer:
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config,
+                                   record_timestamps=True)
+    s = w.stats()
+    dev_us = 1e3 * timer.total_ms() / s["steps"] if device != "cpu" and s["steps"] else float("nan")
+    if s["violations"]:
+        raise RuntimeError(f"the canary found {s['violations']} violations in a clean run")
+    return decode_rate(out) + (s["host_us_per_step"], dev_us, s["steps"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.transformers_overhead", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--small", action="store_true", help="a tiny model and short runs (a dry run of the harness)")
+    ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes (default %(default)s)")
+    ap.add_argument("--runs", type=int, default=None, help="timed runs per figure (default 5; 2 with --small)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; 16 with --small)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 256; 16 with --small)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="ContinuousBatchingConfig(use_cuda_graph=True)")
+    args = ap.parse_args(argv)
+
+    import random  # noqa: PLC0415
+
+    from transformers import GenerationConfig  # noqa: PLC0415
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: PLC0415
+
+    small = args.small
+    runs = args.runs or (2 if small else 5)
+    plen = args.prompt_len or (16 if small else 128)
+    new = args.new_tokens or (16 if small else 256)
+    batches = [int(b) for b in args.batches.split(",")]
+    if small:
+        batches = sorted({min(b, 8) for b in batches})
+    model = build_model(args.device, small)
+    vocab = model.config.vocab_size
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    bs = 16 if small else 256
+    rows = []
+    for batch in batches:
+        rng = random.Random(batch)
+        prompts = [[rng.randrange(1, vocab) for _ in range(plen)] for _ in range(batch)]
+        blocks = batch * (-(-(plen + new) // bs) + 1) + 4
+        extra = dict(use_cuda_graph=True, use_async_batching=False) if args.cuda_graphs else {}
+        config = ContinuousBatchingConfig(block_size=bs, num_blocks=blocks, max_batch_tokens=max(batch * plen, 256),
+                                          **extra)
+        one_run(model, prompts, gen, config, canary=False, device=args.device)  # warm-up (allocator, kernels)
+        one_run(model, prompts, gen, config, canary=True, device=args.device)
+        plain, watched, host, dev, steps = [], [], [], [], []
+        for _ in range(runs):
+            plain.append(one_run(model, prompts, gen, config, canary=False, device=args.device)[0])
+            rate, _, h, d, n = one_run(model, prompts, gen, config, canary=True, device=args.device)
+            watched.append(rate)
+            host.append(h)
+            dev.append(d)
+            steps.append(n)
+            print(f"batch {batch}: {plain[-1]:.1f} / {watched[-1]:.1f} tok/s", file=sys.stderr)
+        p, w = statistics.median(plain), statistics.median(watched)
+        rows.append((batch, p, w, 100.0 * (p - w) / p if p else float("nan"), statistics.median(host),
+                     statistics.median(dev), 1e3 * batch / p if p else float("nan")))
+
+    cmd = "python -m bench.transformers_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
+    model_name = "tiny model (dry run)" if small else "Llama 2048 x 16 layers, bf16"
+    print(f"\nDecode throughput of generate_batch, {model_name}"
+          f", prompt {plen}, {new} new tokens, median of {runs} runs, device {args.device}"
+          f"{', CUDA graphs' if args.cuda_graphs else ''} ({time.strftime('%Y-%m-%d')}; `{cmd.strip()}`)\n")
+    print("| batch | tokens/s without | tokens/s with canary | overhead | canary host us/step | "
+          "canary device us/step | step ms without |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for b, p, w, ov, h, d, ms in rows:
+        dev = "-" if d != d else f"{d:.0f}"  # no CUDA events on the CPU
+        print(f"| {b} | {p:.1f} | {w:.1f} | {ov:+.2f} % | {h:.0f} | {dev} | {ms:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

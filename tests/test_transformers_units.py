@@ -1,0 +1,136 @@
+"""The adapter's pieces without an engine: slot shift, request rows, host tables, layer-group
+tables (full and sliding window), violations in the engine's terms, hooks, version check.
+Fast, and needs neither torch nor transformers."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from kvcanary_cupy import FailReason, Violation
+from kvcanary_cupy.integrations.transformers.groups import LayerGroup
+from kvcanary_cupy.integrations.transformers.hooks import Hooks
+from kvcanary_cupy.integrations.transformers.slots import SlotMap
+from kvcanary_cupy.integrations.transformers.tables import ExpectedTable, MirroredTable, RowPool, flatten, spans
+from kvcanary_cupy.integrations.transformers.version import check_version
+from kvcanary_cupy.integrations.transformers.violations import EngineViolation, RequestTag, cancel_message
+
+BS = 4
+
+
+def group(block_table: dict, *, window=None, rows=4, width=16):
+    alloc = types.SimpleNamespace(block_table=block_table)
+    return LayerGroup(index=1 if window else 0, kind="sliding_attention" if window else "full_attention",
+                      layers=(0, 2), allocator=alloc, window=window,
+                      slot_map=SlotMap(block_size=BS, engine_rows=12 * BS), table=MirroredTable(rows, width, "cpu"))
+
+
+def state(prompt, generated=()):
+    return types.SimpleNamespace(initial_tokens=list(prompt), generated_tokens=list(generated))
+
+
+def test_slot_map_shifts_by_one_block_so_engine_row_0_is_a_real_slot():
+    m = SlotMap(block_size=BS, engine_rows=12 * BS)
+    assert m.num_slots == 13 * BS
+    assert m.slots([0, 5]).tolist() == [4, 9] and m.engine_row(4) == 0
+    assert m.block_slots([0]).tolist() == [4, 5, 6, 7]  # engine block 0 -> canary page 1
+    assert m.pages([0, 11]).tolist() == [1, 12]
+
+
+def test_spans_and_flatten_edge_cases():
+    owner, value = spans([3, 3], [3, 5])
+    assert owner.tolist() == [1, 1] and value.tolist() == [3, 4]
+    values, starts, lens = flatten([])
+    assert values.size == starts.size == lens.size == 0
+
+
+def test_row_pool_keeps_rows_per_state_and_reuses_the_oldest():
+    pool = RowPool(4)
+    a, b, c, d = object(), object(), object(), object()
+    assert [pool.acquire(s, set())[0] for s in (a, b, c)] == [1, 2, 3]
+    assert pool.acquire(b, set()) == (2, False)
+    assert pool.acquire(d, {1}) == (3, True)  # a's row is busy this step; c is the oldest free owner
+    assert pool.acquire(c, {1, 3}) == (2, True)
+    with pytest.raises(ValueError, match="kvcanary: the step holds more requests than the 3 table rows"):
+        pool.acquire(object(), {1, 2, 3})
+    pool.clear()
+    assert pool.acquire(a, set()) == (1, True)
+
+
+def test_expected_tokens_follow_prompt_then_generated_and_grow():
+    t = ExpectedTable(3, 4, "cpu", valid_lens=np.zeros(2, np.int64))
+    s = state([5, 6, 7], [8])
+    t.fill(np.array([1]), [s], np.array([4]), np.array([True]))
+    assert t.table.host[1].tolist() == [5, 6, 7, 8]
+    s.generated_tokens += [9, 10]
+    t.reserve(6)
+    assert t.width == 8 and t.table.host[1, :4].tolist() == [5, 6, 7, 8]  # widening keeps rows
+    t.fill(np.array([1]), [s], np.array([7]), np.array([False]))  # position 6 not sampled yet
+    assert t.table.host[1, :7].tolist() == [5, 6, 7, 8, 9, 10, -1]
+    s.generated_tokens.append(11)
+    t.fill(np.array([1]), [s], np.array([7]), np.array([False]))
+    assert t.table.host[1, 6] == 11
+    other = state([1, 2])
+    t.fill(np.array([1]), [other], np.array([2]), np.array([True]))  # a new owner of the row
+    assert t.table.host[1, :2].tolist() == [1, 2]
+    assert t.tokens().table is t.table.array
+
+
+def test_full_group_row_is_the_page_table_plus_one():
+    g = group({"a": [3, 0, 7]})
+    g.fill(np.array([2]), ["a"], np.array([5]), np.array([10]))
+    assert g.table.host[2, :3].tolist() == [4, 1, 8]
+    g.table.host[2, 3:5] = 99
+    g.fill(np.array([2]), ["a"], np.array([10]), np.array([18]))  # needs 5 pages, the engine has 3
+    assert g.table.host[2, :5].tolist() == [4, 1, 8, 0, 0]
+    assert g.slots_of("a", np.array([0, 5, 11, 12])).tolist() == [16, 5, 35, 1]
+
+
+def test_sliding_group_row_holds_the_window_and_the_record_before_it():
+    # window 6, block size 4: a ring of 2 blocks (8 slots, 6 used); position p at ring index p % 6
+    g = group({"a": [2, 5]}, window=6, width=32)
+    g.fill(np.array([1]), ["a"], np.array([9]), np.array([10]))
+    row = g.table.host[1]
+    assert np.flatnonzero(row).tolist() == [3, 4, 5, 6, 7, 8]  # positions 9 - 6 .. 8
+    expect = [(2 * BS + i) + BS if i < BS else (5 * BS + i - BS) + BS for i in (3, 4, 5, 0, 1, 2)]
+    assert row[3:9].tolist() == expect
+    g.fill(np.array([1]), ["a"], np.array([10]), np.array([11]))  # the window slides by one
+    assert np.flatnonzero(g.table.host[1]).tolist() == [4, 5, 6, 7, 8, 9]
+    assert g.table.host[1, 9] == expect[0] == 2 * BS + 3 + BS  # position 9 took position 3's ring slot
+    assert g.slots_of("a", np.array([9])).tolist() == [expect[0]]
+    g.forget_rows()  # the engine reset its requests: no row points anywhere
+    assert not g.table.host.any()
+    g2 = group({"b": [6]}, window=6)  # a ring missing its second block
+    assert g2.slots_of("b", np.array([0, 4])).tolist() == [6 * BS + BS, 1]
+
+
+def test_engine_violation_names_request_group_and_row():
+    row = Violation(tag=1, slot=2, position=3, stored_token=1, expected_token=-1, stored_link=0, expected_link=0,
+                    reasons=FailReason.CHAIN | FailReason.POSITION, batch_row=0, expected_position=-1,
+                    request=None)
+    v = EngineViolation.from_row(row, group=1, group_type="sliding_attention", layers=(1,), shift=BS)
+    assert v.request_id is None and v.step is None and v.engine_row == -1 and v.position == 3
+    tagged = EngineViolation.from_row(Violation(**{**row.__dict__, "slot": 9, "request": RequestTag("r", 5)}),
+                                      group=0, group_type="full_attention", layers=(0,), shift=BS)
+    text = str(tagged)
+    assert "request 'r'" in text and "layer group 0 (full_attention, layers 0)" in text and "engine cache row 5" in text
+    assert "chain+position" in text and "step 5" in text
+    assert cancel_message([tagged, tagged]).startswith("kvcanary: request 'r' cancelled")
+    assert cancel_message([tagged, tagged]).endswith("(and 1 more)")
+
+
+def test_hooks_restore_an_instance_attribute_that_was_there():
+    obj = types.SimpleNamespace(f=lambda: 1)
+    hooks = Hooks()
+    hooks.wrap(obj, "f", lambda orig: lambda: orig() + 1)
+    hooks.wrap(obj, "f", lambda orig: lambda: orig() * 10)
+    assert obj.f() == 20
+    hooks.remove_all()
+    assert obj.f() == 1
+
+
+def test_version_check_accepts_only_the_pinned_release():
+    assert check_version("5.17.0") == "5.17.0"
+    with pytest.raises(ValueError, match="kvcanary: transformers: .* got 5.17.1"):
+        check_version("5.17.1")
