@@ -466,8 +466,13 @@ class KvCanary:
             self._fill_valid_lens(step, ptr)
         repair = self._cpu and self.grow_on_overflow  # on a GPU: at the next poll
         if not self.verify_after and self._agreement is None:
-            for g, args, verify_args, fused_args in step.groups:
-                ops.plan_and_verify(g.vp, g.wp, g.canary, stream=ptr, **fused_args)
+            for g, args, verify_args, (rpi, pre, ext, r2t, bt, ps, swa, exp, log, tag, srcs, mode, check,
+                                       sample) in step.groups:
+                # Every keyword spelled out: a call through **kwargs builds and unpacks a dict per call.
+                ops.plan_and_verify(g.vp, g.wp, g.canary, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext,
+                                    req_to_token=r2t, block_table=bt, page_size=ps, swa=swa, expected=exp, log=log,
+                                    tag=tag, real_kv=srcs, real_kv_mode=mode, check_tokens=check, sample=sample,
+                                    stream=ptr)
                 if repair and g.may_overflow:
                     grown = g.repair_fused(args, verify_args, stream=ptr)
                     if grown is not None:
@@ -513,7 +518,9 @@ class KvCanary:
             args = dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, expected=exp, swa=g.swa, **table)
             verify_args = dict(log=self.log, tag=g.tag_verify, real_kv=g.sources, real_kv_mode=g.mode,
                                check_tokens=exp is not None, sample=g.sampler)
-            groups.append((g, args, verify_args, {**args, **verify_args}))
+            groups.append((g, args, verify_args, (rpi, pre, ext, args.get("req_to_token"), args.get("block_table"),
+                                                  args.get("page_size"), g.swa, exp, self.log, g.tag_verify,
+                                                  g.sources, g.mode, exp is not None, g.sampler)))
         return BeforeStep(bs=bs, objs=(req_pool_indices, prefix_lens, extend_lens), valid_lens=valid_lens,
                           check_tokens=exp is not None, groups=tuple(groups))
 
@@ -611,9 +618,9 @@ class KvCanary:
         swa_loc = self._swa_map.translate(step.loc, self.swa.swa.lut, ptr) if step.translate else None
         self._step_open = None
         ids, pos = step.ids, step.pos
-        for g, loc, write_args in step.groups:
+        for g, loc, (log, tag, srcs, mode, exp_in) in step.groups:
             ops.write(g.canary, g.wp, input_ids=ids, positions=pos, out_cache_loc=swa_loc if loc is None else loc,
-                      stream=ptr, **write_args)
+                      log=log, tag=tag, real_kv=srcs, real_kv_mode=mode, expected_inputs=exp_in, stream=ptr)
         if self.verify_after:
             for g in self.groups:
                 ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_after, real_kv=g.sources,
@@ -643,8 +650,7 @@ class KvCanary:
                     gloc = arg(swa_out_cache_loc, "swa_out_cache_loc", int(loc.shape[0]))
                 else:
                     gloc, translate = None, True
-            groups.append((g, gloc, dict(log=self.log, tag=g.tag_write, real_kv=g.sources, real_kv_mode=g.mode,
-                                         expected_inputs=exp_in)))
+            groups.append((g, gloc, (self.log, g.tag_write, g.sources, g.mode, exp_in)))
         return AfterStep(objs=(input_ids, positions, out_cache_loc), ids=ids, pos=pos, loc=loc, translate=translate,
                          groups=tuple(groups))
 

@@ -22,9 +22,12 @@ class BeforeStep:
             to add, or None: how the monitor's valid-length buffer (``out``, its first ``bs``
             rows) is filled for the expected-token table.
         check_tokens: whether the step's verify checks tokens.
-        groups: per group ``(group, plan args, verify args, both)``: the keyword arguments of
-            :func:`~kvcanary_cupy.plan`, :func:`~kvcanary_cupy.verify` and
-            :func:`~kvcanary_cupy.plan_and_verify` but the plans, the canary and the stream.
+        groups: per group ``(group, plan args, verify args, fused)``: the keyword arguments of
+            :func:`~kvcanary_cupy.plan` and :func:`~kvcanary_cupy.verify` but the plans, the
+            canary and the stream, and those of :func:`~kvcanary_cupy.plan_and_verify` as a
+            tuple in the order the monitor passes them (req_pool_indices, prefix_lens,
+            extend_lens, req_to_token, block_table, page_size, swa, expected, log, tag,
+            real_kv, real_kv_mode, check_tokens, sample).
     """
 
     __slots__ = ("bs", "objs", "valid_lens", "check_tokens", "groups")
@@ -41,9 +44,9 @@ class AfterStep:
             any is not None.
         ids, pos, loc: the step's token ids, positions and full-pool slots.
         translate: whether the SWA group's slots are ``loc`` through the LUT (computed each step).
-        groups: per group ``(group, out_cache_loc or None (translate), write args)``: the
-            keyword arguments of :func:`~kvcanary_cupy.write` but the canary, the plan, the
-            slots and the stream.
+        groups: per group ``(group, out_cache_loc or None (translate), (log, tag, real_kv,
+            real_kv_mode, expected_inputs))``: the rest of :func:`~kvcanary_cupy.write`'s
+            keyword arguments.
     """
 
     __slots__ = ("objs", "given", "ids", "pos", "loc", "translate", "groups")
