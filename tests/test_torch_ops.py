@@ -77,9 +77,11 @@ def make_workload(seed: int = 0, *, paged: bool = False, num_steps: int = 8) -> 
         table[1:] = pages.reshape(NUM_REQUESTS - 1, -1)
     else:
         page = 1
-        slots = rng.permutation(np.arange(1, NUM_SLOTS))[: (NUM_REQUESTS - 1) * MAX_LEN // 2]
+        # Every position a request reaches has a slot of its own: rows writing one slot (slot 0)
+        # in the same step would leave its record to the order of GPU threads.
+        slots = rng.permutation(np.arange(1, NUM_SLOTS))[: (NUM_REQUESTS - 1) * MAX_LEN]
         table = np.zeros((NUM_REQUESTS, MAX_LEN), np.int32)
-        table[1:, : MAX_LEN // 2] = slots.reshape(NUM_REQUESTS - 1, -1)
+        table[1:] = slots.reshape(NUM_REQUESTS - 1, -1)
     kv0 = rng.uniform(0.5, 2.0, size=(NUM_SLOTS, HEAD_DIM)).astype(np.float16)
     wl = Workload(table, page, kv0, [], -1, -1)
 
