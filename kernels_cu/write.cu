@@ -196,20 +196,70 @@ __device__ __forceinline__ void load_chunk(const WriteArgs& a, i64 i, i64 o1, Sc
     c.p = c.in ? load_index(a.positions, width_bit(a.widths, W_POS), i) : 0;
 }
 
-// Scans a loaded chunk's maps; returns the whole chunk's map (every lane).
-__device__ __forceinline__ ChainMap scan_chunk(ScanChunk& c) {
+// SCAN_MUL^k mod P61 for k = 0..32: within a chunk a map is x -> SCAN_MUL^k x + b, with k
+// the chunk's stored tokens so far, so composing two costs one multiply, not two.
+__constant__ u64 MUL_POW[33] = {
+    0x0000000000000001ULL,
+    0x1BD238973A2B1490ULL,
+    0x1978F2F7811F0F65ULL,
+    0x1C874B5DDE0E42C7ULL,
+    0x0121BEF6B432EA24ULL,
+    0x09EE6244957F8F9CULL,
+    0x016ADB1B614AD81DULL,
+    0x014EF94321DDDEEAULL,
+    0x09915018A7E5B688ULL,
+    0x0A7B1A42CF0A4EC1ULL,
+    0x0E2A7EB8E363D7FBULL,
+    0x1EBAC25DC76C34E8ULL,
+    0x0A991448C8ED0BC0ULL,
+    0x1C8B43CE83CB01E0ULL,
+    0x04E688B9E51EF154ULL,
+    0x1AB35ACB92A2F4D4ULL,
+    0x14310CB207D3CB2EULL,
+    0x11EB49CD49097EE1ULL,
+    0x05A6454615D959E3ULL,
+    0x0FA66F7D36DE9376ULL,
+    0x0ABD2C184679FE1BULL,
+    0x0FED20C9A11F5D12ULL,
+    0x1EC9E6F5535A642EULL,
+    0x0A7054D2AF8BC4CCULL,
+    0x1BE262D2447B32CDULL,
+    0x17156F19013F17F2ULL,
+    0x0441BE2641ADB78EULL,
+    0x10F21A93D21B09F3ULL,
+    0x17E289E3ECE4F020ULL,
+    0x0DBCB7B14241A6C9ULL,
+    0x1D5300002BD4445FULL,
+    0x023B403F39C3D404ULL,
+    0x0229BB5A83201732ULL
+};
+
+// Scans a loaded chunk's maps; returns the whole chunk's map (every lane). `pow`:
+// MUL_POW in shared memory (lanes index it at different k).
+__device__ __forceinline__ ChainMap scan_chunk(ScanChunk& c, const u64* pow) {
     const unsigned lane = lane_id();
-    ChainMap m = c.s >= 0 ? ChainMap{SCAN_MUL, scan_term(c.t, c.p), c.p, 1} : identity_map();
+    const bool kept = c.s >= 0;
+    int k = kept ? 1 : 0, has = k;
+    u64 b = kept ? scan_term(c.t, c.p) : 0;
+    i64 pos = c.p;
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {  // inclusive scan over the lanes
-        const ChainMap below = ChainMap{__shfl_up_sync(FULL_MASK, m.a, d), __shfl_up_sync(FULL_MASK, m.b, d),
-                                        __shfl_up_sync(FULL_MASK, m.pos, d), __shfl_up_sync(FULL_MASK, m.has, d)};
-        if (lane >= (unsigned)d) m = then(below, m);
+    for (int d = 1; d < 32; d <<= 1) {  // inclusive scan over the lanes: (k, b) after (k', b')
+        const int bk = __shfl_up_sync(FULL_MASK, k, d), bh = __shfl_up_sync(FULL_MASK, has, d);
+        const u64 bb = __shfl_up_sync(FULL_MASK, b, d);
+        const i64 bp = __shfl_up_sync(FULL_MASK, pos, d);
+        if (lane >= (unsigned)d) {
+            b = reduce61(mulmod61(pow[k], bb) + b);
+            k += bk;
+            if (!has) pos = bp;
+            has |= bh;
+        }
     }
-    const ChainMap ex = ChainMap{__shfl_up_sync(FULL_MASK, m.a, 1), __shfl_up_sync(FULL_MASK, m.b, 1),
-                                 __shfl_up_sync(FULL_MASK, m.pos, 1), __shfl_up_sync(FULL_MASK, m.has, 1)};
-    c.before = lane == 0 ? identity_map() : ex;
-    return shfl_map(m, 31);
+    const int ek = __shfl_up_sync(FULL_MASK, k, 1), eh = __shfl_up_sync(FULL_MASK, has, 1);
+    const u64 eb = __shfl_up_sync(FULL_MASK, b, 1);
+    const i64 ep = __shfl_up_sync(FULL_MASK, pos, 1);
+    c.before = lane == 0 ? identity_map() : ChainMap{pow[ek], eb, ep, eh};
+    return ChainMap{pow[__shfl_sync(FULL_MASK, k, 31)], __shfl_sync(FULL_MASK, b, 31),
+                    __shfl_sync(FULL_MASK, pos, 31), __shfl_sync(FULL_MASK, has, 31)};
 }
 
 // The chunk's links from the chain's state before it (x, and the previous stored
@@ -271,7 +321,7 @@ __device__ __forceinline__ void seed_state(const WriteArgs& a, i64 seed, u64& x,
 // A row of at most WARP_ROW_MAX tokens, by one warp, 32 tokens at a time.
 template <bool kFp>
 __device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool check_pos,
-                                              i64& written, i64& skipped) {
+                                              const u64* pow, i64& written, i64& skipped) {
     const unsigned lane = lane_id();
     u64 x;
     int has;
@@ -280,7 +330,7 @@ __device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0,
     for (i64 b = o0; b < o1; b += 32) {
         ScanChunk c;
         load_chunk(a, b + lane, o1, c);
-        const ChainMap all = scan_chunk(c);
+        const ChainMap all = scan_chunk(c, pow);
         const bool store = c.in && c.s >= 0 && c.s < a.num_slots;
         // Among this chunk's writes of one slot, the highest lane's wins; __syncwarp
         // orders the chunks, so the row's last write of a slot wins.
@@ -298,10 +348,16 @@ __device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0,
 // Shared memory of the block path: the warps' maps of a block step, and the
 // last-write table (slot -> highest token index of the step that writes it).
 struct ScanShared {
+    u64 pow[33];  // MUL_POW
     ChainMap maps[MAX_WARPS];
     u64 keys[DEDUPE_SLOTS];
     int last[DEDUPE_SLOTS];
 };
+
+__device__ __forceinline__ ScanShared& scan_shared() {
+    __shared__ ScanShared sh;
+    return sh;
+}
 
 __device__ __forceinline__ unsigned dedupe_hash(i64 slot) {
     return (unsigned)(splitmix64((u64)slot) & (u64)(DEDUPE_SLOTS - 1));
@@ -340,7 +396,7 @@ __device__ void scan_row_block(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 se
 #pragma unroll
         for (int j = 0; j < SCAN_ITEMS; ++j) load_chunk(a, w0 + j * 32 + lane, o1, c[j]);
 #pragma unroll
-        for (int j = 0; j < SCAN_ITEMS; ++j) all[j] = scan_chunk(c[j]);
+        for (int j = 0; j < SCAN_ITEMS; ++j) all[j] = scan_chunk(c[j], sh.pow);
         ChainMap mine = all[0];
 #pragma unroll
         for (int j = 1; j < SCAN_ITEMS; ++j) mine = then(mine, all[j]);
@@ -413,19 +469,24 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
     const i64 N = a.num_slots;
 
     i64 written = 0, skipped = 0;  // the same in every lane of a warp
-    for (i64 r = warp0; r < nrows; r += warps) {
-        const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1], seed = a.seeds[r];
-        if (!row_ok(a, r, o0, o1, seed, true)) continue;
-        if (!kScan) chain_row<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
-        else if (o1 - o0 <= WARP_ROW_MAX) scan_row_warp<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
-    }
-    if constexpr (kScan) {  // the long rows, a block each (their span and seed were reported above)
-        __shared__ ScanShared sh;
+    if constexpr (kScan) {
+        ScanShared& sh = scan_shared();
         for (int k = threadIdx.x; k < DEDUPE_SLOTS; k += blockDim.x) {
             sh.keys[k] = EMPTY_KEY;
             sh.last[k] = -1;
         }
+        if (threadIdx.x < 33) sh.pow[threadIdx.x] = MUL_POW[threadIdx.x];
         __syncthreads();
+    }
+    for (i64 r = warp0; r < nrows; r += warps) {
+        const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1], seed = a.seeds[r];
+        if (!row_ok(a, r, o0, o1, seed, true)) continue;
+        if (!kScan) chain_row<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
+        else if (o1 - o0 <= WARP_ROW_MAX) scan_row_warp<kFp>(a, r, o0, o1, seed, check_pos, scan_shared().pow, written,
+                                                             skipped);
+    }
+    if constexpr (kScan) {  // the long rows, a block each (their span and seed were reported above)
+        ScanShared& sh = scan_shared();
         // The block's rows r = blockIdx.x + k gridDim.x, a thread each per round: one
         // round of loads finds the long ones, which the block then takes one by one.
         __shared__ int s_next;
