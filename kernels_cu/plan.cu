@@ -88,16 +88,20 @@ __device__ __forceinline__ i64 mul_or_neg(i64 v, i64 page) {
     return (__umul64hi((u64)v, (u64)page) != 0 || (i64)lo < 0) ? -1 : (i64)lo;
 }
 
-// T(table(rp, pos)), or -1 when unreadable: a negative table value, a slot that
-// does not fit int64 (v * page + pos % page > 2**63 - 1: wrapping could land on
-// a valid slot), a LUT index outside the LUT or a negative LUT value.
-__device__ __forceinline__ i64 slot_at(const PlanArgs& a, i64 rp, i64 pos) {
+// The table element that holds position pos of request-table row rp.
+__device__ __forceinline__ i64 table_at(const PlanArgs& a, i64 rp, i64 pos) {
     // page == 1 (a token-level table) skips the 64-bit division, dozens of instructions.
-    const bool tokens = a.page == 1;
-    i64 v = load_index(a.table, width_bit(a.widths, W_TABLE), rp * a.twidth + (tokens ? pos : pos / a.page));
+    return load_index(a.table, width_bit(a.widths, W_TABLE), rp * a.twidth + (a.page == 1 ? pos : pos / a.page));
+}
+
+// T of table element v at position pos, or -1 when unreadable: a negative table
+// value, a slot that does not fit int64 (v * page + pos % page > 2**63 - 1:
+// wrapping could land on a valid slot), a LUT index outside the LUT or a
+// negative LUT value.
+__device__ __forceinline__ i64 slot_of_value(const PlanArgs& a, i64 v, i64 pos) {
     if (v < 0) return -1;
     i64 s = v;
-    if (!tokens) {
+    if (a.page != 1) {
         s = mul_or_neg(v, a.page);
         if (s < 0) return -1;
         // Both terms are < 2**63, so their sum fits u64 and overflows int64 iff its sign is set.
@@ -110,6 +114,11 @@ __device__ __forceinline__ i64 slot_at(const PlanArgs& a, i64 rp, i64 pos) {
         if (s < 0) return -1;
     }
     return s;
+}
+
+// T(table(rp, pos)), or -1 when unreadable (see slot_of_value).
+__device__ __forceinline__ i64 slot_at(const PlanArgs& a, i64 rp, i64 pos) {
+    return slot_of_value(a, table_at(a, rp, pos), pos);
 }
 
 __device__ __forceinline__ i64 window_start(const PlanArgs& a, i64 P) {
@@ -171,10 +180,18 @@ __device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors) 
         i64 lo = start > 0 ? start - 1 : 0;
         const i64 step = (i64)blockDim.x * ROW_UNROLL;
         for (i64 p0 = lo + threadIdx.x; p0 < P; p0 += step) {
+            // Every table load of the round first, then the checks: loads behind a
+            // data-dependent branch would each wait for the one before.
+            i64 v[ROW_UNROLL];
 #pragma unroll
             for (int j = 0; j < ROW_UNROLL; ++j) {
                 const i64 pos = p0 + (i64)j * blockDim.x;
-                if (pos < P && slot_at(a, rp, pos) < 0) bad = true;
+                v[j] = pos < P ? table_at(a, rp, pos) : 0;
+            }
+#pragma unroll
+            for (int j = 0; j < ROW_UNROLL; ++j) {
+                const i64 pos = p0 + (i64)j * blockDim.x;
+                if (pos < P && slot_of_value(a, v[j], pos) < 0) bad = true;
             }
         }
     }

@@ -323,13 +323,14 @@ template <bool kFp>
 __device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool check_pos,
                                               const u64* pow, i64& written, i64& skipped) {
     const unsigned lane = lane_id();
+    ScanChunk c;
+    load_chunk(a, o0 + lane, o1, c);  // before the seed record: both loads in flight at once
     u64 x;
     int has;
     i64 pos;
     seed_state(a, seed, x, has, pos);
     for (i64 b = o0; b < o1; b += 32) {
-        ScanChunk c;
-        load_chunk(a, b + lane, o1, c);
+        if (b != o0) load_chunk(a, b + lane, o1, c);
         const ChainMap all = scan_chunk(c, pow);
         const bool store = c.in && c.s >= 0 && c.s < a.num_slots;
         // Among this chunk's writes of one slot, the highest lane's wins; __syncwarp
@@ -471,8 +472,8 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
     i64 written = 0, skipped = 0;  // the same in every lane of a warp
     if constexpr (kScan) {
         ScanShared& sh = scan_shared();
-        for (int k = threadIdx.x; k < DEDUPE_SLOTS; k += blockDim.x) {
-            sh.keys[k] = EMPTY_KEY;
+        for (int k = threadIdx.x; a.avail > WARP_ROW_MAX && k < DEDUPE_SLOTS; k += blockDim.x) {
+            sh.keys[k] = EMPTY_KEY;  // the long rows' last-write table
             sh.last[k] = -1;
         }
         if (threadIdx.x < 33) sh.pow[threadIdx.x] = MUL_POW[threadIdx.x];
@@ -485,7 +486,9 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
         else if (o1 - o0 <= WARP_ROW_MAX) scan_row_warp<kFp>(a, r, o0, o1, seed, check_pos, scan_shared().pow, written,
                                                              skipped);
     }
-    if constexpr (kScan) {  // the long rows, a block each (their span and seed were reported above)
+    // The long rows, a block each (their span and seed were reported above); a row is
+    // no longer than the inputs, so short inputs (a decode step) have none.
+    if constexpr (kScan) if (a.avail > WARP_ROW_MAX) {
         ScanShared& sh = scan_shared();
         // The block's rows r = blockIdx.x + k gridDim.x, a thread each per round: one
         // round of loads finds the long ones, which the block then takes one by one.
