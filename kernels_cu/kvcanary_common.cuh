@@ -137,6 +137,27 @@ __device__ __forceinline__ u64 first_link() {
     return kScan ? SCAN_ANCHOR : ANCHOR_HASH;
 }
 
+// --- the check of one record ------------------------------------------------------
+// The reasons a readable entry's record `r` fails, and the link it should hold (elink):
+// the first link when it has no predecessor (prev -1), its own when the predecessor is
+// the padding slot (prev 0: the chain is not checked), else the predecessor's successor
+// link, taken from `link_below` when the lane below holds the predecessor (prev_below)
+// and from its record `pr` otherwise. Shared by verify and plan_and_verify.
+template <bool kScan>
+__device__ __forceinline__ i64 record_failures(const Record& r, const Record& pr, i64 prev, bool prev_below,
+                                               u64 link_below, i64 epos, i64 etok, bool check_tokens, bool fp_sel,
+                                               u64 fp, u64& elink) {
+    if (prev == -1) elink = first_link<kScan>();
+    else if (prev == 0) elink = r.link;
+    else elink = prev_below ? link_below : next_link<kScan>(pr);
+    i64 bits = 0;
+    if (r.link != elink) bits |= FAIL_CHAIN;
+    if (r.position != epos) bits |= FAIL_POSITION;
+    if (check_tokens && etok != -1 && r.token != etok) bits |= FAIL_TOKEN;
+    if (fp_sel && r.fingerprint != fp) bits |= FAIL_REAL_KV;
+    return bits;
+}
+
 // --- warp helpers -----------------------------------------------------------
 __device__ __forceinline__ unsigned lane_id() { return threadIdx.x & 31u; }
 

@@ -303,13 +303,8 @@ __device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 ro
         if (oor) {
             bits = FAIL_SLOT_OUT_OF_RANGE;
         } else {
-            if (prev == -1) elink = first_link<kScan>();
-            else if (prev == 0) elink = r.link;  // a padding predecessor: the chain is not checked
-            else elink = prev_below ? link_below : next_link<kScan>(pr);
-            if (r.link != elink) bits |= FAIL_CHAIN;
-            if (r.position != epos) bits |= FAIL_POSITION;
-            if (c.check_tokens != 0 && etok != -1 && r.token != etok) bits |= FAIL_TOKEN;
-            if (fp_sel && r.fingerprint != fp) bits |= FAIL_REAL_KV;
+            bits = record_failures<kScan>(r, pr, prev, prev_below, link_below, epos, etok, c.check_tokens != 0, fp_sel, fp,
+                                          elink);
             pos = r.position;
             tok = r.token;
             link = r.link;

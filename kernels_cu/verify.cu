@@ -112,13 +112,8 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
             if (oor) {
                 bits = FAIL_SLOT_OUT_OF_RANGE;
             } else {
-                if (prev == -1) elink = first_link<kScan>();
-                else if (prev == 0) elink = r.link;  // a padding predecessor: the chain is not checked
-                else elink = prev_below ? link_below : next_link<kScan>(pr);
-                if (r.link != elink) bits |= FAIL_CHAIN;
-                if (r.position != epos) bits |= FAIL_POSITION;
-                if (a.check_tokens != 0 && etok != -1 && r.token != etok) bits |= FAIL_TOKEN;
-                if (fp_sel && r.fingerprint != fp) bits |= FAIL_REAL_KV;
+                bits = record_failures<kScan>(r, pr, prev, prev_below, link_below, epos, etok, a.check_tokens != 0, fp_sel, fp,
+                                              elink);
                 pos = r.position;
                 tok = r.token;
                 link = r.link;

@@ -16,24 +16,12 @@ from kvcanary_cupy import FailReason as F
 from kvcanary_cupy import LaunchTag as T
 from kvcanary_cupy.monitor import KvCanaryError, KvCanaryWarning, SwaGroup, SweepChain
 from kvcanary_cupy.sim.model import KvPool
+from tests.workloads import drain, sync
 
 WIDTH = 32
 ROWS = 5
 NUM_SLOTS = 1 + (ROWS - 1) * WIDTH
 
-
-def sync(xp):
-    if xp is not np:
-        xp.cuda.Device().synchronize()
-
-
-def drain(mon, xp):
-    """Everything found so far (on CUDA poll returns one copy late: poll twice around a sync)."""
-    out = mon.poll()
-    if xp is not np:
-        sync(xp)
-        out += mon.poll()
-    return out
 
 
 class Toy:

@@ -24,22 +24,11 @@ from kvcanary_cupy import ops
 from kvcanary_cupy.monitor import KvCanaryWarning, SwaGroup, SweepChain
 from kvcanary_cupy.sim import PagedKvSim, SimConfig
 from kvcanary_cupy.sim.model import KvPool
+from tests.workloads import drain, sync
 
 WIDTH, ROWS = 24, 5
 NUM_SLOTS = 1 + (ROWS - 1) * WIDTH
 
-
-def sync(xp):
-    if xp is not np:
-        xp.cuda.Device().synchronize()
-
-
-def drain(mon, xp):
-    out = mon.poll()
-    if xp is not np:
-        sync(xp)
-        out += mon.poll()
-    return out
 
 
 def layout():

@@ -328,6 +328,23 @@ def make_workload(rng: np.random.Generator, *, num_requests: int = 5, max_len: i
                     max(max_batch, R - 1))
 
 
+# --- monitors ----------------------------------------------------------------------
+def sync(xp) -> None:
+    """Wait for the device (nothing to wait for on NumPy)."""
+    if xp is not np:
+        xp.cuda.Device().synchronize()
+
+
+def drain(mon, xp) -> list:
+    """Everything a monitor found so far (on CUDA poll returns one copy late: poll twice
+    around a sync)."""
+    out = mon.poll()
+    if xp is not np:
+        sync(xp)
+        out += mon.poll()
+    return out
+
+
 # --- running a workload ----------------------------------------------------------
 @dataclass
 class Runner:
