@@ -465,24 +465,23 @@ class KvCanary:
         if step.valid_lens is not None:
             self._fill_valid_lens(step, ptr)
         repair = self._cpu and self.grow_on_overflow  # on a GPU: at the next poll
-        if not self.verify_after and self._agreement is None:
-            for g, args, verify_args, (rpi, pre, ext, r2t, bt, ps, swa, exp, log, tag, srcs, mode, check,
-                                       sample) in step.groups:
-                # Every keyword spelled out: a call through **kwargs builds and unpacks a dict per call.
-                ops.plan_and_verify(g.vp, g.wp, g.canary, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext,
-                                    req_to_token=r2t, block_table=bt, page_size=ps, swa=swa, expected=exp, log=log,
-                                    tag=tag, real_kv=srcs, real_kv_mode=mode, check_tokens=check, sample=sample,
-                                    stream=ptr)
-                if repair and g.may_overflow:
-                    grown = g.repair_fused(args, verify_args, stream=ptr)
-                    if grown is not None:
-                        self._reporter.repaired(g.name, *grown)
-        else:  # the verify after the write and the ranks' agreement read the entries again
-            for g, args, verify_args, _ in step.groups:
+        separate = self.verify_after or self._agreement is not None
+        for g, args, verify_args, (rpi, pre, ext, r2t, bt, ps, swa, exp, log, tag, srcs, mode, check,
+                                   sample) in step.groups:
+            if separate or (repair and g.may_overflow):
+                # The verify after the write and the ranks' agreement read the entries again,
+                # and on the CPU a plan that overflows is grown and planned again before its
+                # verify: plan and verify apart.
                 grown = g.plan(args, repair=repair and g.may_overflow, stream=ptr)
                 if grown is not None:
                     self._reporter.repaired(g.name, *grown)
                 ops.verify(g.canary, g.vp, stream=ptr, **verify_args)
+                continue
+            # Every keyword spelled out: a call through **kwargs builds and unpacks a dict per call.
+            ops.plan_and_verify(g.vp, g.wp, g.canary, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext,
+                                req_to_token=r2t, block_table=bt, page_size=ps, swa=swa, expected=exp, log=log,
+                                tag=tag, real_kv=srcs, real_kv_mode=mode, check_tokens=check, sample=sample,
+                                stream=ptr)
         if not capturing:
             self._steps += 1
         self._step_open = (ptr, step.check_tokens)

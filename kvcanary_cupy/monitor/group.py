@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import arrays, ops, runtime, scalars
 from ..canary import CanaryBuffer, RealKvSource
-from ..format import CTR_KERNEL_RUNS, CTR_VERIFIES_SKIPPED, LaunchTag, RealKvMode
+from ..format import LaunchTag, RealKvMode
 from ..plans import FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
 
 # The group's scalar array: VerifyPlan's scalars, then WritePlan's, each named (plan, field).
@@ -145,30 +145,6 @@ class Group:
         if requested <= capacity:
             return None
         return requested, capacity, self._replan(args, requested, stream)
-
-    def repair_fused(self, args: dict, verify_args: dict, *, stream) -> tuple[int, int, int] | None:
-        """After :func:`kvcanary_cupy.plan_and_verify` of a step (CPU): grow a verify plan that
-        overflowed, plan it again and verify it, as :meth:`plan` with ``repair`` and a verify
-        would have. ``args``, ``verify_args``: :func:`kvcanary_cupy.plan`'s and
-        :func:`kvcanary_cupy.verify`'s (but the plans, the canary and the stream). Returns
-        ``(requested, old capacity, new capacity)``, or None when the plan fit.
-
-        The fused op's verify of the overflowed plan checked nothing; its only effects (a
-        kernel run, a skipped verify, a sampler step) are taken back first, so the step
-        leaves the counters of one verify of the grown plan.
-        """
-        vp = self.vp
-        requested, capacity = int(vp.requested[0]), vp.capacity
-        if requested <= capacity:
-            return None
-        log = verify_args["log"]
-        log.counter_array[CTR_KERNEL_RUNS] -= 1
-        log.counter_array[CTR_VERIFIES_SKIPPED] -= 1
-        if self.sampler is not None and self.sources and self.mode != RealKvMode.NONE:  # the sampler ran
-            self.sampler.state[0] -= 1
-        grown = self._replan(args, requested, stream)
-        ops.verify(self.canary, self.vp, stream=stream, **verify_args)
-        return requested, capacity, grown
 
     def _replan(self, args: dict, requested: int, stream) -> int:
         """Grow the verify plan for ``requested`` entries and plan its entries again (CPU); the
