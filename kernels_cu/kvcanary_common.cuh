@@ -158,6 +158,12 @@ __device__ __forceinline__ i64 record_failures(const Record& r, const Record& pr
     return bits;
 }
 
+// x mod m in [0, m) for m > 0 (C++'s % keeps the sign of x): a sampler's phase.
+__device__ __forceinline__ i64 pmod(i64 x, i64 m) {
+    i64 r = x % m;
+    return r < 0 ? r + m : r;
+}
+
 // --- warp helpers -----------------------------------------------------------
 __device__ __forceinline__ unsigned lane_id() { return threadIdx.x & 31u; }
 

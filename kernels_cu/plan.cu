@@ -250,11 +250,6 @@ struct PlanVerifyArgs {
     CheckArgs c;
 };
 
-__device__ __forceinline__ i64 pmod(i64 x, i64 m) {
-    i64 r = x % m;
-    return r < 0 ? r + m : r;
-}
-
 // Fingerprints of the 32 lanes' slots with g lanes per slot (see lanes_per_fingerprint):
 // round u folds the slots of lanes [u 32/g, (u + 1) 32/g), a group of g lanes each,
 // and hands each result back to the lane it belongs to. Every lane must call it.

@@ -44,11 +44,6 @@ struct VerifyArgs {
     i64 period;
 };
 
-__device__ __forceinline__ i64 pmod(i64 x, i64 m) {
-    i64 r = x % m;
-    return r < 0 ? r + m : r;
-}
-
 template <bool kFp, bool kScan>
 __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entries(VerifyArgs a) {
     __shared__ i64 sh[32];

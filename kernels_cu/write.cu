@@ -174,11 +174,6 @@ __device__ __forceinline__ ChainMap then(const ChainMap& first, const ChainMap& 
 
 __device__ __forceinline__ u64 apply_map(const ChainMap& m, u64 x) { return reduce61(mulmod61(m.a, x) + m.b); }
 
-__device__ __forceinline__ ChainMap shfl_map(const ChainMap& m, int src) {
-    return ChainMap{__shfl_sync(FULL_MASK, m.a, src), __shfl_sync(FULL_MASK, m.b, src),
-                    __shfl_sync(FULL_MASK, m.pos, src), __shfl_sync(FULL_MASK, m.has, src)};
-}
-
 // One chunk of 32 consecutive tokens of a row, a token per lane.
 struct ScanChunk {
     i64 i, s, t, p;  // token index, slot, token id, position
