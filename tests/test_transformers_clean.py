@@ -1,6 +1,11 @@
 """Clean runs of 64 requests, with prefix sharing and offloading, produce no violation."""
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("torch")  # the harness needs both; without them these tests skip
+pytest.importorskip("transformers")
+
 from tests.test_transformers_harness import cb, cpu_swap_pool_unpinned, greedy, hybrid, llama, prompts
 
 from kvcanary_cupy.integrations.transformers import watch

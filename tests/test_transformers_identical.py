@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("torch")  # the harness needs both; without them these tests skip
+pytest.importorskip("transformers")
+
 from tests.test_transformers_harness import (all_sliding, cb, cpu_swap_pool_unpinned, greedy, hybrid, llama,
                                              prompts)
 

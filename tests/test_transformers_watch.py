@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("torch")  # the harness needs both; without them these tests skip
+pytest.importorskip("transformers")
+
 from tests.test_transformers_harness import cb, drive, greedy, hybrid, llama, prompts
 
 import kvcanary_cupy as kc
