@@ -43,11 +43,6 @@ struct AgreeArgs {
     i64 tag;
 };
 
-__device__ __forceinline__ u64 warp_sum_u64(u64 v) {
-    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(FULL_MASK, v, d);
-    return v;
-}
-
 // Elements of a row this launch digests: the count read through its pointer,
 // clamped to the row's length (bad data never reads past the array), and 0
 // unless the gate holds 1 (a verify plan that overflowed wrote no entries).
@@ -108,13 +103,9 @@ __global__ void __launch_bounds__(256) digest_rows(DigestArgs a) {
         const i64 i = g - s_start[lo];
         acc += mix3(s_salt[lo], i, load_index(s_data[lo], s_wide[lo], i));
     }
-    acc = warp_sum_u64(acc);
-    if (lane_id() == 0) scratch[threadIdx.x >> 5] = acc;
-    __syncthreads();
+    const u64 block_total = block_sum(acc, scratch);
     if (threadIdx.x == 0) {
-        u64 total = 0;
-        for (unsigned w = 0; w < (blockDim.x + 31u) >> 5; ++w) total += scratch[w];
-        atomicAdd(&a.state[0], total);
+        atomicAdd(&a.state[0], block_total);
         __threadfence();  // the sum lands before the ticket that may let another block read it
         last = atomicAdd(&a.state[1], 1ULL) == (u64)gridDim.x - 1;
     }

@@ -173,21 +173,23 @@ __device__ __forceinline__ unsigned lanes_above(unsigned lane) {
     return lane == 31u ? 0u : (FULL_MASK << (lane + 1u));
 }
 
-// Sum of v over the warp, valid in every lane.
-__device__ __forceinline__ i64 warp_sum(i64 v) {
+// Sum of v over the warp, valid in every lane (T = u64 for digests: unsigned sums wrap).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
     for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(FULL_MASK, v, d);
     return v;
 }
 
 // Sum of v over the block, valid in thread 0 only. Every thread of the block
-// must call it; `scratch` holds one i64 per warp.
-__device__ __forceinline__ i64 block_sum(i64 v, i64* scratch) {
+// must call it; `scratch` holds one T per warp, and may be reused right after.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
     v = warp_sum(v);
     unsigned w = threadIdx.x >> 5;
     __syncthreads();
     if (lane_id() == 0) scratch[w] = v;
     __syncthreads();
-    i64 total = 0;
+    T total = 0;
     if (threadIdx.x == 0)
         for (unsigned i = 0; i < (blockDim.x + 31u) >> 5; ++i) total += scratch[i];
     return total;

@@ -66,9 +66,10 @@ struct PlanArgs {
 };
 
 // The launch state of plan_step: rows handed out, rows finished, blocks exited,
-// and (a 128-byte line of its own, so that blocks polling it do not slow the
-// counters' atomics) the scan published (0 / 1). The last block out zeroes it.
-inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_SCANNED = 16;
+// the entry digest's partial sum (plan_and_verify), and (a 128-byte line of its
+// own, so that blocks polling it do not slow the counters' atomics) the scan
+// published (0 / 1). The last block out zeroes it.
+inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_SCANNED = 16;
 inline constexpr int SYNC_WORDS = 32;
 
 // Polling the flag backs off from KVC_POLL_MIN_NS to KVC_POLL_MAX_NS.
@@ -243,7 +244,20 @@ struct CheckArgs {
     i64 num_folds;
     i64* sample_state;  // [2] (phase counter, ticket), or null
     i64 period;
+    i64* digest;  // [1] receives the digest of the entries, or null (see ENTRY_DIGEST_SALT)
 };
+
+// The digest of a plan's verify entries, as digest.cu's digest_rows computes it over the
+// four entry arrays a plan writes (slot, prev slot, position, token) with these salts,
+// the plan's num_valid as their count and its enable as their gate: tensor-parallel
+// ranks compare it without the entries ever being written. The twins of
+// format.ENTRY_DIGEST_SALTS.
+inline constexpr i64 ENTRY_DIGEST_SALT = 1;  // the slot's; prev, position, token: + 1, + 2, + 3
+
+__device__ __forceinline__ u64 entry_digest_term(i64 e, i64 slot, i64 prev, i64 pos, i64 tok) {
+    return mix3(ENTRY_DIGEST_SALT, e, slot) + mix3(ENTRY_DIGEST_SALT + 1, e, prev) +
+           mix3(ENTRY_DIGEST_SALT + 2, e, pos) + mix3(ENTRY_DIGEST_SALT + 3, e, tok);
+}
 
 struct PlanVerifyArgs {
     PlanArgs p;
@@ -326,7 +340,7 @@ __device__ __forceinline__ FillRow fill_row(const PlanArgs& a, const i64* off, i
 }
 
 template <bool kVerify, bool kFp, bool kScan>
-__device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64& checked) {
+__device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64& checked, u64& digest) {
     if (__ldcg(a.vp_enable) != 1) return;
     const i64 n = __ldcg(a.vp_num_valid);
     const int g = kFp ? lanes_per_fingerprint(n, c->num_folds) : 1;
@@ -375,6 +389,7 @@ __device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64&
         }
         if constexpr (kVerify) {
             check_entry<kFp, kScan>(*c, act, r, slot, prev, pos, tok, g, phase, checked);
+            if (act && c->digest != nullptr) digest += entry_digest_term(e, slot, prev, pos, tok);
         } else if (act) {
             a.vp_slot[e] = slot;
             a.vp_prev[e] = prev;
@@ -428,6 +443,7 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
         if (threadIdx.x == 0) atomicExch((u64*)(sync + SYNC_SCANNED), 1ULL);
     }
     i64 checked = 0;
+    u64 digest = 0;  // kVerify with c->digest: this thread's entries' terms
     if (a.vp_offsets != nullptr) {
         // Waits only on the scanning block, which is running: every row has been
         // claimed by a running block before any block gets here.
@@ -441,11 +457,13 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
         }
         __syncthreads();
         __threadfence();
-        plan_fill<kVerify, kFp, kScan>(a, c, kVerify ? s_phase : -1, checked);
+        plan_fill<kVerify, kFp, kScan>(a, c, kVerify ? s_phase : -1, checked, digest);
     }
     if constexpr (kVerify) {
         const i64 sum = block_sum(checked, sh);
+        const u64 dsum = c->digest != nullptr ? block_sum(digest, (u64*)sh) : 0;
         if (threadIdx.x == 0) {
+            if (dsum != 0) atomicAdd((u64*)(sync + SYNC_DIGEST), dsum);
             if (sum != 0) atomicAdd((u64*)(c->counters + CTR_SLOTS_CHECKED), (u64)sum);
             if (blockIdx.x == 0) {
                 atomicAdd((u64*)(c->counters + CTR_KERNEL_RUNS), 1ULL);
@@ -464,6 +482,13 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
             sync[SYNC_EXITED] = 0;
             if constexpr (kVerify) {
                 if (c->sample_state != nullptr) c->sample_state[0] = __ldcg(c->sample_state) + 1;
+                if (c->digest != nullptr) {
+                    // Each entry array's count term: num_valid, or 0 when the gate is shut.
+                    const i64 n = __ldcg(a.vp_enable) == 1 ? __ldcg(a.vp_num_valid) : 0;
+                    u64 d = (u64)atomicExch((u64*)(sync + SYNC_DIGEST), 0ULL);
+                    for (i64 k = 0; k < 4; ++k) d += mix3(ENTRY_DIGEST_SALT + k, -1, n);
+                    *c->digest = (i64)d;
+                }
             }
             __threadfence();
         }

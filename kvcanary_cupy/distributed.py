@@ -9,11 +9,11 @@ that rank against itself, may see nothing. So each step, at the end of
 :meth:`~kvcanary_cupy.KvCanary.after_forward`, every rank:
 
 1. digests, on the device, what must be equal on all ranks (:class:`~kvcanary_cupy.digest.Digest`):
-   per watched pool the verify entries over the planned entries (slot, prev slot,
-   expected position, expected token), the verify plan's offsets and scalars
-   (num_valid, enable, requested), the write plan (offsets, seed slots, num_rows);
-   and the step's
-   write inputs (input_ids, positions, out_cache_loc of each pool). Rank-local
+   per watched pool the digest of its verify entries (slot, prev slot, expected
+   position, expected token; :func:`~kvcanary_cupy.plan_and_verify` computes it where
+   it derives them), the verify plan's offsets and scalars (num_valid, enable,
+   requested), the write plan (offsets, seed slots, num_rows); and the step's write
+   inputs (input_ids, positions, out_cache_loc of each pool). Rank-local
    real-KV fingerprints are not compared: each rank fingerprints other heads.
 2. gathers ``[digest, log head]`` from every rank in ONE collective on the monitor's
    stream (``all_gather_into_tensor``, or its successor ``all_gather_single`` where
@@ -75,14 +75,15 @@ def torch_view(a):
 
 def step_rows(groups, *, input_ids, positions, locs) -> list[DigestRow]:
     """What must agree across ranks after a step: per group (see :mod:`kvcanary_cupy.monitor.group`)
-    its verify entries over the planned entries, the verify plan's offsets and scalars and
-    the write plan, then the step's write inputs (``locs``: each group's out_cache_loc).
-    Every array here is written whole by the plan (rows past the batch included) or
-    counted by the plan's own scalars, so equal plans digest equal."""
+    the digest of its verify entries (which :func:`~kvcanary_cupy.plan_and_verify` computes
+    where it derives them, so they are never written or read again), the verify plan's
+    offsets and scalars and the write plan, then the step's write inputs (``locs``: each
+    group's out_cache_loc). Every array here is written whole by the plan (rows past the
+    batch included) or counted by the plan's own scalars, so equal plans digest equal."""
     rows = []
     for g in groups:
         vp, wp = g.vp, g.wp
-        rows += [DigestRow(getattr(vp, f), count=vp.num_valid, gate=vp.enable) for f in vp.ENTRY_FIELDS]
+        rows.append(DigestRow(g.entry_digest))
         rows += [DigestRow(vp.offsets), DigestRow(vp.num_valid), DigestRow(vp.enable), DigestRow(vp.requested)]
         rows += [DigestRow(wp.offsets), DigestRow(wp.seed_slots), DigestRow(wp.num_rows)]
     rows += [DigestRow(input_ids), DigestRow(positions)] + [DigestRow(loc) for loc in locs]

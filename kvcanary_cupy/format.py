@@ -84,6 +84,9 @@ DIVERGENCE_COLUMNS = {
 DIGEST_DESC_WORDS = 6
 MAX_DIGEST_ROWS = 64  # rows one digest takes (the kernel stages their metadata in shared memory)
 MAX_RANKS = 1024  # ranks the compare kernel takes (its shared-memory tally)
+# The salts of a verify plan's entry digest (plan_and_verify's ``digest``): the digest of
+# its slot, prev slot, expected position and expected token arrays, in that order.
+ENTRY_DIGEST_SALTS = (1, 2, 3, 4)
 # The compare kernel's device state, int64 words in this order:
 AGREE_STATE_FIELDS = (
     "group_rows",  # rows every rank's own checks logged, summed over the group (divergence rows not included)

@@ -394,7 +394,7 @@ def plan_and_verify(verify_plan: VerifyPlan, write_plan: WritePlan | None, canar
                     page_size: int | None = None, swa: SwaWindow | None = None, expected: ExpectedTokens | None = None,
                     log: ViolationLog, tag: int, real_kv: Sequence[RealKvSource] = (),
                     real_kv_mode: RealKvMode = RealKvMode.NONE, check_tokens: bool = False,
-                    sample: FingerprintSampler | None = None, stream=None, **extra) -> None:
+                    sample: FingerprintSampler | None = None, digest=None, stream=None, **extra) -> None:
     """:func:`plan` and :func:`verify` of one step in one launch: the hot path before a forward.
 
     Takes :func:`plan`'s arguments and :func:`verify`'s (see both) and leaves exactly
@@ -408,6 +408,12 @@ def plan_and_verify(verify_plan: VerifyPlan, write_plan: WritePlan | None, canar
 
     A plan whose entries exceed ``verify_plan.capacity`` verifies nothing, counts
     ``verifies_skipped`` and keeps the requested total, exactly like ``plan``.
+
+    ``digest`` (optional): int64 ``[1]``, writable, on the canary's device. Receives the
+    digest of the step's verify entries, the value a :class:`~kvcanary_cupy.digest.Digest`
+    computes over the four entry arrays ``plan`` writes (salts ``format.ENTRY_DIGEST_SALTS``,
+    ``num_valid`` their count, ``enable`` their gate), without the entries being written:
+    what tensor-parallel ranks compare.
 
     Example::
 
@@ -428,13 +434,14 @@ def plan_and_verify(verify_plan: VerifyPlan, write_plan: WritePlan | None, canar
              page_size, swa, expected)
     vobjs = (canary, log, sample, *(real_kv if isinstance(real_kv, (tuple, list)) else (real_kv,)))
     key = ("plan_and_verify", *_plan_key(pobjs), *map(id, vobjs), tag, type(tag), real_kv_mode, type(real_kv_mode),
-           check_tokens, type(check_tokens))
+           check_tokens, type(check_tokens), _array(digest))
     vargs = (canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample)
-    _run(_cache_of(canary, CanaryBuffer), key, (*pobjs, *vobjs), _prepare_plan_and_verify, (pobjs, vargs), stream)
+    _run(_cache_of(canary, CanaryBuffer), key, (*pobjs, *vobjs, digest), _prepare_plan_and_verify,
+         (pobjs, vargs, digest), stream)
 
 
 def _prepare_plan_and_verify(args, stream) -> _Call:
-    pobjs, vargs = args
+    pobjs, vargs, digest = args
     verify_plan, write_plan = pobjs[:2]
     canary = vargs[0]
     if verify_plan is None:
@@ -448,6 +455,13 @@ def _prepare_plan_and_verify(args, stream) -> _Call:
         named.update({f"write_plan.{f}": getattr(write_plan, f) for f in WritePlan.FIELDS})
     named.update({"canary.records": canary.records, "log.ring": vinputs["log"].ring, "log.head": vinputs["log"].head,
                   "log.counters": vinputs["log"].counter_array})
+    if digest is not None:
+        view = arrays.as_array(digest, "digest", dtypes=arrays.INT64, ndim=1, device=device, writable=True)
+        if view.shape[0] != 1:
+            raise ValueError(f"kvcanary: digest: expected an int64 [1] device scalar, got shape {tuple(view.shape)}")
+        named["digest"] = view
+        vinputs["digest"] = view
+        given, views = (*given, digest), (*views, view)
     arrays.check_disjoint("plan_and_verify", named)
     return _Call(backend_for(device).prepare_plan_and_verify, device, (verify_plan, write_plan, canary),
                  {**pinputs, **vinputs}, stream, given=given, views=views)

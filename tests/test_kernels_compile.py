@@ -192,3 +192,10 @@ def test_digest_constants_match_format():
         assert consts[f"ST_{field.upper()}"] == i, field
     assert len([n for n in consts if n.startswith("ST_")]) == fmt.AGREE_STATE_WORDS
     assert cuda_backend.DIGEST_STATE_WORDS == 2 and "u64* state;  // [2]" in text
+
+
+def test_entry_digest_salts_match_format():
+    """plan.cu digests the entry arrays with format.ENTRY_DIGEST_SALTS: its first salt, then + 1, + 2, + 3."""
+    text = (cuda_sources.kernels_dir() / "plan.cu").read_text()
+    (first,) = re.findall(r"^inline constexpr i64 ENTRY_DIGEST_SALT = (\d+);", text, re.M)
+    assert tuple(int(first) + k for k in range(4)) == fmt.ENTRY_DIGEST_SALTS

@@ -59,7 +59,7 @@ VERIFY_FIELDS = (
 # plan_verify_step's argument: PLAN_FIELDS, then these (plan.cu CheckArgs).
 CHECK_FIELDS = (
     "records", "num_slots", "ring", "head", "ring_capacity", "counters", "tag", "check_tokens", "folds", "num_folds",
-    "sample_state", "period",
+    "sample_state", "period", "digest",
 )
 SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths")
 DIGEST_FIELDS = ("descs", "num_descs", "out", "state", "carry", "carry_words")
@@ -314,15 +314,15 @@ def prepare_plan(vp, wp, *, stream=None, **inputs) -> _Launch:
     return _Launch(PLAN_FIELDS, fn, dev, v, _blocks(threads, rt.resident_blocks(fn, dev)))
 
 
-def prepare_plan_and_verify(vp, wp, canary, *, log, tag, sources, mode, check_tokens, sample, stream=None,
-                            **plan_inputs) -> _Launch:
+def prepare_plan_and_verify(vp, wp, canary, *, log, tag, sources, mode, check_tokens, sample, digest=None,
+                            stream=None, **plan_inputs) -> _Launch:
     """See :func:`kvcanary_cupy.ops.plan_and_verify`; views already validated. One launch
     of plan_verify_step: the plan's fill checks each entry instead of writing it."""
     stream = _stream(stream)
     v, dev, threads = _plan_values(vp, wp, stream=stream, **plan_inputs)
     fn, dev, nf, c = _canary_fields("plan", PLAN_VERIFY_KERNELS, canary, log, tag, sources, mode, stream)
     c.update(check_tokens=1 if check_tokens else 0, sample_state=_ptr(sample.state) if sample is not None else 0,
-             period=sample.period if sample is not None else 1)
+             period=sample.period if sample is not None else 1, digest=_ptr(digest) if digest is not None else 0)
     values = {**v, **{f"c_{k}": x for k, x in c.items()}}
     fields = PLAN_FIELDS + tuple(f"c_{k}" for k in CHECK_FIELDS)
     threads = max(threads, vp.capacity * (min(nf, 32) if nf else 1))

@@ -484,12 +484,23 @@ def prepare_plan(vp, wp, *, stream=None, **inputs):
 
 
 def prepare_plan_and_verify(vp, wp, canary, *, stream=None, log, tag, sources, mode, check_tokens, sample,
-                            **plan_inputs):
-    """:func:`plan` then :func:`verify`, bound (the NumPy backend writes the entries too)."""
+                            digest=None, **plan_inputs):
+    """:func:`plan` then :func:`verify`, bound (the NumPy backend writes the entries too);
+    with ``digest``, then :func:`entry_digest` into it."""
     def run(_stream):
         plan(vp, wp, **plan_inputs)
         verify(canary, vp, log=log, tag=tag, sources=sources, mode=mode, check_tokens=check_tokens, sample=sample)
+        if digest is not None:
+            entry_digest(vp, out=digest)
     return run
+
+
+def entry_digest(vp, *, out):
+    """The digest of ``vp``'s verify entries into ``out[0]``: :func:`digest` over its four entry
+    arrays with ``format.ENTRY_DIGEST_SALTS``, ``num_valid`` their count and ``enable`` their gate."""
+    arrays = (vp.slot_indices, vp.prev_slot_indices, vp.expected_positions, vp.expected_tokens)
+    digest([(a, vp.num_valid, vp.enable, salt) for a, salt in zip(arrays, fmt.ENTRY_DIGEST_SALTS)], out=out,
+           carry=None)
 
 
 def prepare_write(canary, wp, *, stream=None, **inputs):

@@ -103,9 +103,10 @@ class KvCanary:
     A step's pre-forward check is one :func:`~kvcanary_cupy.plan_and_verify` per group,
     which on CUDA does not write the verify plan's per-entry arrays
     (``verify_plan.slot_indices``, ...): only its scalars and offsets, and the write
-    plan. With ``verify_after`` or a ``process_group`` (both read the entries again
-    after the forward) the step runs :func:`~kvcanary_cupy.plan` and
-    :func:`~kvcanary_cupy.verify` instead, which write them.
+    plan. With ``verify_after`` (which reads the entries again after the forward) the
+    step runs :func:`~kvcanary_cupy.plan` and :func:`~kvcanary_cupy.verify` instead,
+    which write them. With a ``process_group`` the fused launch also leaves the digest
+    of the entries the ranks compare (``digest=``), so agreement needs no entries either.
 
     Verify capacity: a step's verify entries are the prefix positions its active
     rows read, so they never exceed ``max_batch * per_row`` with ``per_row`` the
@@ -208,6 +209,8 @@ class KvCanary:
             from ..distributed import Agreement  # noqa: PLC0415  (imports PyTorch)
 
             self._agreement = Agreement(process_group, device=self.device, log=self.log, keepalive=self._keepalive)
+            for g in self.groups:
+                g.keep_entry_digest(self._keepalive.hold)
         # One pinned copy per poll: every group's scalars, the head snapshots, the log's counters
         # (and the agreement's state).
         self._reader = runtime.HostReader(self.device, [g.sc for g in self.groups]
@@ -465,23 +468,23 @@ class KvCanary:
         if step.valid_lens is not None:
             self._fill_valid_lens(step, ptr)
         repair = self._cpu and self.grow_on_overflow  # on a GPU: at the next poll
-        separate = self.verify_after or self._agreement is not None
         for g, args, verify_args, (rpi, pre, ext, r2t, bt, ps, swa, exp, log, tag, srcs, mode, check,
                                    sample) in step.groups:
-            if separate or (repair and g.may_overflow):
-                # The verify after the write and the ranks' agreement read the entries again,
-                # and on the CPU a plan that overflows is grown and planned again before its
-                # verify: plan and verify apart.
+            if self.verify_after or (repair and g.may_overflow):
+                # The verify after the write reads the entries again, and on the CPU a plan that
+                # overflows is grown and planned again before its verify: plan and verify apart.
                 grown = g.plan(args, repair=repair and g.may_overflow, stream=ptr)
                 if grown is not None:
                     self._reporter.repaired(g.name, *grown)
                 ops.verify(g.canary, g.vp, stream=ptr, **verify_args)
+                if g.entry_digest is not None:
+                    g.digest_entries(ptr)
                 continue
             # Every keyword spelled out: a call through **kwargs builds and unpacks a dict per call.
             ops.plan_and_verify(g.vp, g.wp, g.canary, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext,
                                 req_to_token=r2t, block_table=bt, page_size=ps, swa=swa, expected=exp, log=log,
                                 tag=tag, real_kv=srcs, real_kv_mode=mode, check_tokens=check, sample=sample,
-                                stream=ptr)
+                                digest=g.entry_digest, stream=ptr)
         if not capturing:
             self._steps += 1
         self._step_open = (ptr, step.check_tokens)

@@ -16,7 +16,8 @@ import numpy as np
 
 from .. import arrays, ops, runtime, scalars
 from ..canary import CanaryBuffer, RealKvSource
-from ..format import LaunchTag, RealKvMode
+from ..digest import Digest, DigestRow
+from ..format import ENTRY_DIGEST_SALTS, LaunchTag, RealKvMode
 from ..plans import FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
 
 # The group's scalar array: VerifyPlan's scalars, then WritePlan's, each named (plan, field).
@@ -105,6 +106,27 @@ class Group:
         self.mode = mode
         self.sampler = FingerprintSampler.allocate(period=sample_period, device=device) if sample_period else None
         self.tag_verify, self.tag_write, self.tag_after = tags
+        # The digest of each step's verify entries, for tensor-parallel agreement (None: not kept).
+        self.entry_digest = None
+        self._entry_digester = None  # (verify plan, Digest) for steps that write the entries
+        self._hold = None
+
+    def keep_entry_digest(self, hold) -> None:
+        """Keep the digest of every step's verify entries in ``entry_digest`` (int64 [1]);
+        ``hold(obj)`` keeps a dropped digest launch alive while queued work may read it."""
+        self.entry_digest = runtime.empty((1,), np.int64, self.device, fill=0)
+        self._hold = hold
+
+    def digest_entries(self, stream) -> None:
+        """``entry_digest`` from the entry arrays a plan wrote: the value
+        :func:`~kvcanary_cupy.plan_and_verify` leaves there when it plans the step itself."""
+        if self._entry_digester is None or self._entry_digester[0] is not self.vp:
+            rows = [DigestRow(getattr(self.vp, f), count=self.vp.num_valid, gate=self.vp.enable, salt=salt)
+                    for f, salt in zip(VerifyPlan.ENTRY_FIELDS, ENTRY_DIGEST_SALTS)]
+            if self._entry_digester is not None:
+                self._hold(self._entry_digester[1])
+            self._entry_digester = (self.vp, Digest(rows, out=self.entry_digest))
+        self._entry_digester[1].run(stream)
 
     def _scalar(self, plan: str, field: str):
         i = _AT[(plan, field)]
