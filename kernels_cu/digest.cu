@@ -66,7 +66,10 @@ inline constexpr int MAX_DIGEST_ROWS = 64;
 // stages every row's metadata (count and gate read once) in shared memory.
 // Per block one atomic add of its partial sum, and the last block out
 // publishes the total and zeroes the state for the next launch (so no memset
-// is needed between launches or graph replays).
+// is needed between launches or graph replays). A grid of one block (a step's
+// agreement digests a few hundred elements) publishes its sum directly: the
+// atomics, fences and ticket are a chain of global round trips that a step pays
+// for on its critical path.
 __global__ void __launch_bounds__(256) digest_rows(DigestArgs a) {
     __shared__ u64 scratch[32];
     __shared__ bool last;
@@ -75,6 +78,9 @@ __global__ void __launch_bounds__(256) digest_rows(DigestArgs a) {
     __shared__ u64 s_salt[MAX_DIGEST_ROWS];
     __shared__ bool s_wide[MAX_DIGEST_ROWS];
     const int rows = (int)(a.num_descs < MAX_DIGEST_ROWS ? a.num_descs : MAX_DIGEST_ROWS);
+    const bool alone = gridDim.x == 1;
+    // The carried words, loaded before the rows so their round trip overlaps the rows'.
+    const i64 carried = alone && (i64)threadIdx.x < a.carry_words ? a.carry[threadIdx.x] : 0;
     u64 acc = 0;
     if ((int)threadIdx.x < rows) {
         const i64* d = a.descs + (i64)threadIdx.x * DIGEST_DESC_WORDS;
@@ -104,6 +110,12 @@ __global__ void __launch_bounds__(256) digest_rows(DigestArgs a) {
         acc += mix3(s_salt[lo], i, load_index(s_data[lo], s_wide[lo], i));
     }
     const u64 block_total = block_sum(acc, scratch);
+    if (alone) {
+        if (threadIdx.x == 0) a.out[0] = (i64)block_total;
+        if ((i64)threadIdx.x < a.carry_words) a.out[1 + threadIdx.x] = carried;
+        for (i64 j = blockDim.x + threadIdx.x; j < a.carry_words; j += blockDim.x) a.out[1 + j] = a.carry[j];
+        return;
+    }
     if (threadIdx.x == 0) {
         atomicAdd(&a.state[0], block_total);
         __threadfence();  // the sum lands before the ticket that may let another block read it
@@ -126,6 +138,9 @@ __global__ void __launch_bounds__(256) compare_digests(AgreeArgs a) {
     __shared__ i64 holders[MAX_RANKS];
     __shared__ i64 ref_s;
     const i64 W = a.words;
+    // The state's words first: their round trip overlaps the gathered digests'.
+    const i64 div_prev = a.state[ST_DIVERGENCES];
+    const i64 step = a.state[ST_AGREEMENT_STEPS] + 1;
     for (i64 r = threadIdx.x; r < a.world; r += blockDim.x) {
         const i64 d = a.gathered[r * W];
         i64 n = 0;
@@ -143,8 +158,6 @@ __global__ void __launch_bounds__(256) compare_digests(AgreeArgs a) {
     const i64 ref = ref_s;
     const i64 ref_digest = a.gathered[ref * W];
     const i64 agreeing = holders[ref];
-    const i64 div_prev = a.state[ST_DIVERGENCES];
-    const i64 step = a.state[ST_AGREEMENT_STEPS] + 1;
     // Every lane of every warp takes part in each append (the sink's ballot needs them).
     for (i64 base = 0; base < a.world; base += blockDim.x) {
         const i64 r = base + threadIdx.x;
