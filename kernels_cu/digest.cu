@@ -138,9 +138,10 @@ __global__ void __launch_bounds__(256) compare_digests(AgreeArgs a) {
     __shared__ i64 holders[MAX_RANKS];
     __shared__ i64 ref_s;
     const i64 W = a.words;
-    // The state's words first: their round trip overlaps the gathered digests'.
+    // The state's words and the log head first: their round trip overlaps the gathered digests'.
     const i64 div_prev = a.state[ST_DIVERGENCES];
     const i64 step = a.state[ST_AGREEMENT_STEPS] + 1;
+    const i64 head0 = *(volatile const i64*)a.head;
     for (i64 r = threadIdx.x; r < a.world; r += blockDim.x) {
         const i64 d = a.gathered[r * W];
         i64 n = 0;
@@ -176,7 +177,9 @@ __global__ void __launch_bounds__(256) compare_digests(AgreeArgs a) {
         a.state[ST_OWN_ROWS] = a.gathered[a.rank * W + 1] - div_prev;
         a.state[ST_DIVERGENCES] = div_prev + (a.world - agreeing);
         a.state[ST_AGREEMENT_STEPS] = step;
-        a.state[ST_AGREED_HEAD] = (i64)atomicAdd((u64*)a.head, 0ULL);
+        // The head after this round's appends: one row per rank that differs (the launch is
+        // ordered after every other append to the log on its stream).
+        a.state[ST_AGREED_HEAD] = head0 + (a.world - agreeing);
     }
 }
 
