@@ -340,7 +340,7 @@ __device__ __forceinline__ FillRow fill_row(const PlanArgs& a, const i64* off, i
 }
 
 template <bool kVerify, bool kFp, bool kScan>
-__device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64& checked, u64& digest) {
+__device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64& checked, u64* warp_digest) {
     if (__ldcg(a.vp_enable) != 1) return;
     const i64 n = __ldcg(a.vp_num_valid);
     const int g = kFp ? lanes_per_fingerprint(n, c->num_folds) : 1;
@@ -388,8 +388,13 @@ __device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64&
             }
         }
         if constexpr (kVerify) {
+            // Summed over the warp into shared memory before the check: nothing of it stays live
+            // in registers across the check, which is register-bound.
+            if (c->digest != nullptr) {
+                const u64 t = warp_sum(act ? entry_digest_term(e, slot, prev, pos, tok) : 0ULL);
+                if (lane == 0) *warp_digest += t;
+            }
             check_entry<kFp, kScan>(*c, act, r, slot, prev, pos, tok, g, phase, checked);
-            if (act && c->digest != nullptr) digest += entry_digest_term(e, slot, prev, pos, tok);
         } else if (act) {
             a.vp_slot[e] = slot;
             a.vp_prev[e] = prev;
@@ -443,7 +448,8 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
         if (threadIdx.x == 0) atomicExch((u64*)(sync + SYNC_SCANNED), 1ULL);
     }
     i64 checked = 0;
-    u64 digest = 0;  // kVerify with c->digest: this thread's entries' terms
+    __shared__ u64 s_digest[32];  // kVerify with c->digest: per warp, its entries' terms
+    s_digest[threadIdx.x >> 5] = 0;  // before the barriers below
     if (a.vp_offsets != nullptr) {
         // Waits only on the scanning block, which is running: every row has been
         // claimed by a running block before any block gets here.
@@ -457,11 +463,11 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
         }
         __syncthreads();
         __threadfence();
-        plan_fill<kVerify, kFp, kScan>(a, c, kVerify ? s_phase : -1, checked, digest);
+        plan_fill<kVerify, kFp, kScan>(a, c, kVerify ? s_phase : -1, checked, &s_digest[threadIdx.x >> 5]);
     }
     if constexpr (kVerify) {
         const i64 sum = block_sum(checked, sh);
-        const u64 dsum = c->digest != nullptr ? block_sum(digest, (u64*)sh) : 0;
+        const u64 dsum = c->digest != nullptr ? block_sum(lane_id() == 0 ? s_digest[threadIdx.x >> 5] : 0ULL, (u64*)sh) : 0;
         if (threadIdx.x == 0) {
             if (dsum != 0) atomicAdd((u64*)(sync + SYNC_DIGEST), dsum);
             if (sum != 0) atomicAdd((u64*)(c->counters + CTR_SLOTS_CHECKED), (u64)sum);
