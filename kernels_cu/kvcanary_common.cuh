@@ -315,4 +315,111 @@ __device__ __forceinline__ u64 fingerprint(const i64* descs, i64 folds, i64 slot
     return need ? r : 0;
 }
 
+// --- digest of rows (digest.cu; a write launch runs one in an extra block) --------
+// A digest folds a few device arrays into one 64-bit value: the wrapping sum over
+// every element of mix3(salt, index, value), plus mix3(salt, -1, count) per row.
+// A sum does not depend on the order blocks finish in, so the digest is the same
+// bytes on every launch and on the NumPy reference, and the per-element hash keeps
+// a moved, changed, missing or extra element from cancelling out. Rows whose length
+// lives on the device (a plan's num_valid) are read at run time: the launch has no
+// data-dependent shape, so it can be captured in a CUDA graph.
+
+// The twins of format.py's constants of the same names.
+inline constexpr i64 DIGEST_DESC_WORDS = 6;  // [data, length, count ptr, gate ptr, element bytes, salt]
+// Rows a launch takes at most (prepare_digest refuses more): their metadata is
+// staged in shared memory once per block.
+inline constexpr int MAX_DIGEST_ROWS = 64;
+
+struct DigestArgs {
+    const i64* descs;  // [num_descs, DIGEST_DESC_WORDS]
+    i64 num_descs;
+    i64* out;  // [1 + carry_words]: the digest, then the carried words
+    u64* state;  // [2]: partial sum, finished blocks; zero between launches
+    const i64* carry;  // copied verbatim after the digest (the log head), so one collective moves both
+    i64 carry_words;
+};
+
+// Elements of a row this launch digests: the count read through its pointer,
+// clamped to the row's length (bad data never reads past the array), and 0
+// unless the gate holds 1 (a verify plan that overflowed wrote no entries).
+__device__ __forceinline__ i64 row_count(const i64* d) {
+    i64 n = d[1];
+    if (d[2]) {
+        const i64 c = *(const i64*)d[2];
+        n = c < 0 ? 0 : (c < n ? c : n);
+    }
+    if (d[3] && *(const i64*)d[3] != 1) n = 0;
+    return n;
+}
+
+// Block `block` of `blocks` digesting a.descs' rows: one grid-stride pass over the
+// concatenation of all rows, so a thread's few loads are independent and in
+// flight together (a pass per row would chain a global round trip per row); a
+// block first stages every row's metadata (count and gate read once) in shared
+// memory. Per block one atomic add of its partial sum, and the last block out
+// publishes the total and zeroes the state for the next launch (so no memset is
+// needed between launches or graph replays). A single block (a step's agreement
+// digests a few hundred elements) publishes its sum directly: the atomics,
+// fences and ticket are a chain of global round trips on the step's critical path.
+__device__ __forceinline__ void digest_block(const DigestArgs& a, unsigned block, unsigned blocks) {
+    __shared__ u64 scratch[32];
+    __shared__ bool last;
+    __shared__ i64 s_start[MAX_DIGEST_ROWS + 1];
+    __shared__ const void* s_data[MAX_DIGEST_ROWS];
+    __shared__ u64 s_salt[MAX_DIGEST_ROWS];
+    __shared__ bool s_wide[MAX_DIGEST_ROWS];
+    const int rows = (int)(a.num_descs < MAX_DIGEST_ROWS ? a.num_descs : MAX_DIGEST_ROWS);
+    const bool alone = blocks == 1;
+    // The carried words, loaded before the rows so their round trip overlaps the rows'.
+    const i64 carried = alone && (i64)threadIdx.x < a.carry_words ? a.carry[threadIdx.x] : 0;
+    u64 acc = 0;
+    if ((int)threadIdx.x < rows) {
+        const i64* d = a.descs + (i64)threadIdx.x * DIGEST_DESC_WORDS;
+        const i64 n = row_count(d);
+        s_start[threadIdx.x + 1] = n;  // a count for now; the prefix sum below
+        s_data[threadIdx.x] = (const void*)d[0];
+        s_salt[threadIdx.x] = (u64)d[5];
+        s_wide[threadIdx.x] = d[4] == 8;
+        if (block == 0) acc += mix3((u64)d[5], -1, n);  // each row's count, once per launch
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s_start[0] = 0;
+        for (int k = 0; k < rows; ++k) s_start[k + 1] += s_start[k];
+    }
+    __syncthreads();
+    const i64 total = s_start[rows];
+    const i64 stride = (i64)blocks * blockDim.x;
+    for (i64 g = (i64)block * blockDim.x + threadIdx.x; g < total; g += stride) {
+        int lo = 0, hi = rows - 1;  // the row holding g: the last start <= g
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_start[mid] <= g) lo = mid;
+            else hi = mid - 1;
+        }
+        const i64 i = g - s_start[lo];
+        acc += mix3(s_salt[lo], i, load_index(s_data[lo], s_wide[lo], i));
+    }
+    const u64 block_total = block_sum(acc, scratch);
+    if (alone) {
+        if (threadIdx.x == 0) a.out[0] = (i64)block_total;
+        if ((i64)threadIdx.x < a.carry_words) a.out[1 + threadIdx.x] = carried;
+        for (i64 j = blockDim.x + threadIdx.x; j < a.carry_words; j += blockDim.x) a.out[1 + j] = a.carry[j];
+        return;
+    }
+    if (threadIdx.x == 0) {
+        atomicAdd(&a.state[0], block_total);
+        __threadfence();  // the sum lands before the ticket that may let another block read it
+        last = atomicAdd(&a.state[1], 1ULL) == (u64)blocks - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        a.out[0] = (i64)atomicExch(&a.state[0], 0ULL);
+        atomicExch(&a.state[1], 0ULL);
+    }
+    for (i64 j = threadIdx.x; j < a.carry_words; j += blockDim.x) a.out[1 + j] = a.carry[j];
+}
+
 }  // namespace kvc

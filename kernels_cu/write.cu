@@ -452,8 +452,24 @@ __device__ __forceinline__ bool row_ok(const WriteArgs& a, i64 r, i64 o0, i64 o1
     return !span_bad && !seed_bad && o1 > o0;
 }
 
+// What a write launch takes: the write, and a digest (d.out null: none) that one
+// extra block, the grid's last, computes beside it (a step's tensor-parallel
+// agreement: one launch less on the step's critical path). The digest must not
+// read what the write changes (the records, the log): it runs concurrently.
+struct WriteStepArgs {
+    WriteArgs w;
+    DigestArgs d;
+};
+
 template <bool kFp, bool kScan>
-__global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens(WriteArgs a) {
+__global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens(WriteStepArgs step) {
+    const WriteArgs& a = step.w;
+    // The write's own blocks: every block but the digest's.
+    const unsigned blocks = gridDim.x - (step.d.out != nullptr ? 1u : 0u);
+    if (blockIdx.x >= blocks) {
+        digest_block(step.d, 0, 1);
+        return;
+    }
     const i64 planned_rows = *a.num_rows;  // < 0: the plan was never planned
     i64 nrows = planned_rows;
     if (nrows > a.max_batch) nrows = a.max_batch;
@@ -461,7 +477,7 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
     const bool check_pos = *a.position_check != 0;
     const unsigned lane = lane_id();
     const i64 warp0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    const i64 warps = ((i64)blocks * blockDim.x) >> 5;
     const i64 N = a.num_slots;
 
     i64 written = 0, skipped = 0;  // the same in every lane of a warp
@@ -485,12 +501,12 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
     // no longer than the inputs, so short inputs (a decode step) have none.
     if constexpr (kScan) if (a.avail > WARP_ROW_MAX) {
         ScanShared& sh = scan_shared();
-        // The block's rows r = blockIdx.x + k gridDim.x, a thread each per round: one
+        // The block's rows r = blockIdx.x + k blocks, a thread each per round: one
         // round of loads finds the long ones, which the block then takes one by one.
         __shared__ int s_next;
-        const i64 stride = (i64)gridDim.x * blockDim.x;
+        const i64 stride = (i64)blocks * blockDim.x;
         for (i64 r0 = blockIdx.x; r0 < nrows; r0 += stride) {
-            const i64 r = r0 + (i64)threadIdx.x * gridDim.x;
+            const i64 r = r0 + (i64)threadIdx.x * blocks;
             bool is_long = false;
             if (r < nrows) {
                 const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1];
@@ -501,7 +517,7 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
                 __syncthreads();
                 if (is_long) atomicMin(&s_next, (int)threadIdx.x);
                 __syncthreads();
-                const i64 rl = r0 + (i64)s_next * gridDim.x;
+                const i64 rl = r0 + (i64)s_next * blocks;
                 if ((int)threadIdx.x == s_next) is_long = false;
                 scan_row_block<kFp>(a, rl, a.offsets[rl], a.offsets[rl + 1], a.seeds[rl], check_pos, sh, written,
                                     skipped);

@@ -15,6 +15,8 @@ that rank against itself, may see nothing. So each step, at the end of
    requested), the write plan (offsets, seed slots, num_rows); and the step's write
    inputs (input_ids, positions, out_cache_loc of each pool). Rank-local
    real-KV fingerprints are not compared: each rank fingerprints other heads.
+   The digest runs in one extra block of the step's last write launch
+   (``ops.write(digest=)``), beside the write: one launch less per step.
 2. gathers ``[digest, log head]`` from every rank in ONE collective on the monitor's
    stream (``all_gather_into_tensor``, or its successor ``all_gather_single`` where
    PyTorch has it: 16 bytes per rank, through zero-copy PyTorch views of the
@@ -113,7 +115,7 @@ class Agreement:
         state: int64 device array, ``format.AGREE_STATE_FIELDS``.
     """
 
-    def __init__(self, process_group, *, device: str, log, keepalive=None):
+    def __init__(self, process_group, *, device: str, log, send, keepalive=None):
         torch, dist = _torch()
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("kvcanary: process_group: torch.distributed is not initialized; call "
@@ -139,7 +141,10 @@ class Agreement:
         self._keepalive = keepalive
         self._torch = torch
         self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self.send = runtime.empty((WORDS,), np.int64, device, fill=0)
+        self.send = arrays.as_array(send, "send", dtypes=arrays.INT64, ndim=1, device=device, writable=True)
+        if self.send.shape[0] != WORDS or arrays.data_ptr(log.head) != arrays.data_ptr(self.send) + 8:
+            raise ValueError("kvcanary: send: expected the int64 [2] buffer whose word 1 is the log's head "
+                             "(Agreement.allocate_send(), then ViolationLog.allocate(..., head=send[1:]))")
         self.recv = runtime.empty((self.world, WORDS), np.int64, device, fill=0)
         self.state = RankCompare.allocate_state(device)
         # The concatenated form ([world * WORDS]): every backend takes it (gloo takes no stacked output).
@@ -150,25 +155,35 @@ class Agreement:
         self._torch_device = None if cpu else torch.device(device)
         self.reset_host()
 
-    # ------------------------------------------------------------------ per step
-    def after_step(self, groups, *, input_ids, positions, locs, ptr) -> None:
-        """The agreement of a monitor's step (see :func:`step_rows`)."""
-        self.step(step_rows(groups, input_ids=input_ids, positions=positions, locs=locs), ptr)
+    @staticmethod
+    def allocate_send(device: str):
+        """The buffer one collective sends per step, ``[digest, log head]`` (int64 ``[2]``):
+        the monitor's log takes word 1 as its head, so the head travels without a copy."""
+        return runtime.empty((WORDS,), np.int64, device, fill=0)
 
-    def step(self, rows: list[DigestRow], ptr) -> None:
-        """Digest ``rows``, gather ``[digest, log head]`` from every rank, compare: in that order
-        on stream ``ptr`` (the CPU: at once)."""
+    # ------------------------------------------------------------------ per step
+    def step_digest(self, groups, *, input_ids, positions, locs) -> Digest:
+        """The :class:`Digest` of a monitor's step (see :func:`step_rows`) into ``send[0]``:
+        the monitor runs it inside its last write's launch (``ops.write(digest=)``)."""
+        return self.digest(step_rows(groups, input_ids=input_ids, positions=positions, locs=locs))
+
+    def digest(self, rows: list[DigestRow]) -> Digest:
+        """The :class:`Digest` of ``rows`` into ``send[0]``, kept per set of arrays."""
         key = _key(rows)
         d = self._digests.get(key)
         if d is None:
-            d = self._digests[key] = Digest(rows, out=self.send, carry=self.log.head)
+            d = self._digests[key] = Digest(rows, out=self.send[:1])
             if len(self._digests) > _DIGESTS_KEPT:
                 old = self._digests.popitem(last=False)[1]
                 if self._keepalive is not None:
                     self._keepalive.hold(old)  # a queued launch may still read its descriptor table
         else:
             self._digests.move_to_end(key)
-        d.run(ptr)
+        return d
+
+    def exchange(self, ptr) -> None:
+        """Gather ``[digest, log head]`` from every rank and compare, on stream ``ptr`` (the CPU:
+        at once), after the step's digest and every append of the step to the log."""
         self._exchange(ptr)
         self._compare.run(ptr)
 

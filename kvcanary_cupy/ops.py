@@ -289,7 +289,8 @@ def _plan_inputs(args):
 
 def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, out_cache_loc,
           log: ViolationLog, tag: int, real_kv: Sequence[RealKvSource] = (),
-          real_kv_mode: RealKvMode = RealKvMode.NONE, expected_inputs=None, stream=None, **extra) -> None:
+          real_kv_mode: RealKvMode = RealKvMode.NONE, expected_inputs=None, digest=None, stream=None,
+          **extra) -> None:
     """Stamp records for the tokens a step writes, chained from each row's seed.
 
     Args:
@@ -306,6 +307,11 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
         expected_inputs: optional ``(tokens, positions)``, each int32 / int64
             ``[>= total]`` or ``None``; -1 skips an element. Mismatches raise
             WRITE_TOKEN / WRITE_POSITION violations.
+        digest: optional :class:`~kvcanary_cupy.digest.Digest` computed by the same
+            launch, in one extra block beside the write (e.g. a step's tensor-parallel
+            agreement: one launch less per step). It runs concurrently with the write,
+            so it may carry nothing and read none of what the write changes (the
+            records, the log).
         stream: CUDA stream.
     """
     if extra:
@@ -314,13 +320,37 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
     exp = tuple(expected_inputs) if isinstance(expected_inputs, (tuple, list)) else (expected_inputs,)
     objs = (canary, write_plan, input_ids, positions, out_cache_loc, log, *exp, *srcs)
     key = (id(canary), id(write_plan), _array(input_ids), _array(positions), _array(out_cache_loc), id(log), tag,
-           type(tag), real_kv_mode, type(real_kv_mode), len(exp), *map(_array, exp), *map(id, srcs))
-    _run(_cache_of(canary, CanaryBuffer), key, objs, _prepare_write, (
-        canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs), stream)
+           type(tag), real_kv_mode, type(real_kv_mode), len(exp), *map(_array, exp), *map(id, srcs), id(digest))
+    _run(_cache_of(canary, CanaryBuffer), key, (*objs, digest), _prepare_write, (
+        canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs,
+        digest), stream)
+
+
+def _write_digest(digest, device: str, canary, log):
+    """``digest`` checked for running inside a write's launch (see :func:`write`)."""
+    from .digest import Digest  # noqa: PLC0415  (digest imports the backends, as ops does)
+
+    if not isinstance(digest, Digest):
+        raise TypeError(f"kvcanary: digest: expected a kvcanary_cupy.digest.Digest, got {type(digest).__name__}")
+    if digest.device != device:
+        raise ValueError(f"kvcanary: digest: expected it on {device} like the canary, got {digest.device}")
+    if digest.carry is not None:
+        raise ValueError("kvcanary: digest: a digest run inside a write carries nothing (it would copy its carry "
+                         "while the write appends to the log); make it with carry=None")
+    changed = {"canary.records": canary.records, "log.ring": log.ring, "log.head": log.head,
+               "log.counters": log.counter_array}
+    for i, (data, count, gate, _) in enumerate(digest.rows):
+        for name, a in ((f"digest.rows[{i}].array", data), (f"digest.rows[{i}].count", count),
+                        (f"digest.rows[{i}].gate", gate)):
+            if a is not None:
+                arrays.check_disjoint("write", {**changed, name: a})
+    arrays.check_disjoint("write", {**changed, "digest.out": digest.out})
+    return digest
 
 
 def _prepare_write(args, stream) -> _Call:
-    canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs = args
+    (canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs,
+     digest) = args
     device = _canary_device(canary, write_plan=(write_plan, WritePlan), log=(log, ViolationLog))
     tag = scalars.check_tag(tag)
     _outputs_apart("write", canary, log, write_plan=write_plan)
@@ -339,9 +369,10 @@ def _prepare_write(args, stream) -> _Call:
             exp_pos = arrays.as_index_array(expected_inputs[1], "expected_inputs[1]", device=device)
             given.append(expected_inputs[1]), views.append(exp_pos)
     srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
+    extra = {} if digest is None else {"digest": _write_digest(digest, device, canary, log)}
     return _Call(backend_for(device).prepare_write, device, (canary, write_plan),
                  dict(input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=tag, sources=srcs,
-                      mode=mode, expected_tokens=exp_tok, expected_positions=exp_pos),
+                      mode=mode, expected_tokens=exp_tok, expected_positions=exp_pos, **extra),
                  stream, given=tuple(given), views=tuple(views))
 
 

@@ -156,10 +156,17 @@ class ViolationLog:
         self._reader = None  # HostReader of (head, ring), made on the first poll
 
     @classmethod
-    def allocate(cls, *, capacity: int, device: str = "cpu") -> "ViolationLog":
+    def allocate(cls, *, capacity: int, device: str = "cpu", head=None) -> "ViolationLog":
+        """A zeroed log of ``capacity`` rows. ``head``: an optional int64 ``[1]`` array on
+        ``device`` to use as the head (zeroed here), e.g. a word of a buffer a collective
+        sends, so that the head travels without a copy."""
         capacity = scalars.check_int(capacity, "capacity", minimum=1)
-        return cls(runtime.empty((capacity, VIOLATION_WORDS), np.int64, device, fill=0),
-                   runtime.empty((1,), np.int64, device, fill=0),
+        if head is None:
+            head = runtime.empty((1,), np.int64, device, fill=0)
+        else:
+            head = arrays.as_array(head, "head", dtypes=arrays.INT64, ndim=1, device=device, writable=True)
+            head.fill(0)
+        return cls(runtime.empty((capacity, VIOLATION_WORDS), np.int64, device, fill=0), head,
                    runtime.empty((NUM_COUNTERS,), np.int64, device, fill=0))
 
     @classmethod

@@ -172,3 +172,57 @@ def test_rank_compare_misuse(xp, device):
         gathered = args.pop("gathered")
         with pytest.raises(exc, match=pattern):
             kc.RankCompare(gathered, **args)
+
+
+# --- a digest run in a write's launch ------------------------------------------------
+def _write_twin(xp, device):
+    """A canary, write plan and log after planning rows 1 (3 tokens) and 2 (150: a long row)."""
+    width = 160
+    canary = kc.CanaryBuffer.allocate(num_slots=3 * width, device=device)
+    wp = kc.WritePlan.allocate(max_batch=2, device=device)
+    log = kc.ViolationLog.allocate(capacity=8, device=device)
+    table = xp.asarray(np.arange(3 * width, dtype=np.int32).reshape(3, width))
+    kc.plan(None, wp, req_pool_indices=xp.asarray([1, 2]), prefix_lens=xp.asarray([0, 0]),
+            extend_lens=xp.asarray([3, 150]), req_to_token=table)
+    return canary, wp, log
+
+
+def test_write_runs_a_digest_beside_it(xp, device):
+    """write(digest=d) leaves what write() then d.run() leave: the same records, log and
+    counters, and d's value (poisoned before) by its definition."""
+    rng = np.random.default_rng(11)
+    ids = xp.asarray(rng.integers(0, 1000, size=153))
+    pos = xp.asarray(np.r_[0:3, 0:150])
+    loc = xp.asarray(np.r_[160:163, 320:470])
+    spec = [((rng.integers(-(1 << 40), 1 << 40, size=300), 120, None, 5), np.int64),
+            ((rng.integers(0, 1 << 20, size=33), None, 1, 6), np.int32)]
+    rows = [kc.DigestRow(xp.asarray(np.asarray(v, dtype=dt)), count=None if c is None else xp.asarray([c]),
+                         gate=None if g is None else xp.asarray([g]), salt=salt) for (v, c, g, salt), dt in spec]
+    out = xp.full(1, -12345, dtype=np.int64)
+    fused, plain = _write_twin(xp, device), _write_twin(xp, device)
+    canary, wp, log = fused
+    kc.write(canary, wp, input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=kc.LaunchTag.WRITE,
+             digest=kc.Digest(rows, out=out))
+    canary2, wp2, log2 = plain
+    kc.write(canary2, wp2, input_ids=ids, positions=pos, out_cache_loc=loc, log=log2, tag=kc.LaunchTag.WRITE)
+    assert int(host(out)[0]) == oracle([r for r, _ in spec])
+    np.testing.assert_array_equal(host(canary.records), host(canary2.records))
+    assert host(log.head).tolist() == host(log2.head).tolist() == [0]
+    assert log.counters() == log2.counters() and log.counters()["slots_written"] == 153
+
+
+def test_write_digest_misuse(xp, device):
+    canary, wp, log = _write_twin(xp, device)
+    io = dict(input_ids=xp.zeros(153, dtype=np.int64), positions=xp.zeros(153, dtype=np.int64),
+              out_cache_loc=xp.zeros(153, dtype=np.int64), log=log, tag=1)
+    out = xp.zeros(2, dtype=np.int64)
+    with pytest.raises(TypeError, match="kvcanary: digest: expected a kvcanary_cupy.digest.Digest"):
+        kc.write(canary, wp, digest=object(), **io)
+    carrying = kc.Digest([xp.arange(4)], out=out, carry=xp.zeros(1, dtype=np.int64))
+    with pytest.raises(ValueError, match="kvcanary: digest: a digest run inside a write carries nothing"):
+        kc.write(canary, wp, digest=carrying, **io)
+    for what, row in (("log.head", log.head), ("canary.records", canary.records.reshape(-1))):
+        with pytest.raises(ValueError, match=f"kvcanary: write: .*{what}"):
+            kc.write(canary, wp, digest=kc.Digest([row], out=out[:1]), **io)
+    with pytest.raises(ValueError, match="kvcanary: write: .*log.counters"):
+        kc.write(canary, wp, digest=kc.Digest([xp.arange(3)], out=log.counter_array[:1]), **io)

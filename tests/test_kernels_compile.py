@@ -159,12 +159,20 @@ def _struct_fields(file: str, struct: str) -> tuple:
     ("write.cu", "WriteArgs", cuda_backend.WRITE_FIELDS),
     ("verify.cu", "VerifyArgs", cuda_backend.VERIFY_FIELDS),
     ("scatter.cu", "ScatterArgs", cuda_backend.SCATTER_FIELDS),
-    ("digest.cu", "DigestArgs", cuda_backend.DIGEST_FIELDS),
+    ("kvcanary_common.cuh", "DigestArgs", cuda_backend.DIGEST_FIELDS),
     ("digest.cu", "AgreeArgs", cuda_backend.AGREE_FIELDS),
 ])
 def test_argument_structs_match_backend(file, struct, fields):
     """The backend packs each struct as 8-byte words in declaration order."""
     assert _struct_fields(file, struct) == fields
+
+
+def test_write_launch_argument_is_a_write_then_a_digest():
+    """write_tokens takes WriteStepArgs {WriteArgs w; DigestArgs d;}: the backend packs the
+    write's fields, then the digest's with a ``d_`` prefix."""
+    assert _struct_fields("write.cu", "WriteStepArgs") == ("w", "d")
+    assert cuda_backend.WRITE_STEP_FIELDS == (cuda_backend.WRITE_FIELDS
+                                              + tuple(f"d_{f}" for f in cuda_backend.DIGEST_FIELDS))
 
 
 def test_kernels_dir_found_from_checkout():
@@ -183,7 +191,8 @@ def test_plan_launch_state_size_matches_backend():
 def test_digest_constants_match_format():
     """digest.cu's own constants (the descriptor row, the rank limit, the agreement state's
     word order) equal their twins in format.py."""
-    text = (cuda_sources.kernels_dir() / "digest.cu").read_text()
+    d = cuda_sources.kernels_dir()
+    text = (d / "digest.cu").read_text() + (d / cuda_sources.HEADER).read_text()
     consts = {n: int(v) for n, v in re.findall(r"\b(\w+) = (\d+)[,;]", text)}
     assert consts["DIGEST_DESC_WORDS"] == fmt.DIGEST_DESC_WORDS
     assert consts["MAX_RANKS"] == fmt.MAX_RANKS

@@ -63,6 +63,8 @@ CHECK_FIELDS = (
 )
 SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths")
 DIGEST_FIELDS = ("descs", "num_descs", "out", "state", "carry", "carry_words")
+# write_tokens' argument (write.cu WriteStepArgs): WRITE_FIELDS, then a digest's (all 0: none).
+WRITE_STEP_FIELDS = WRITE_FIELDS + tuple(f"d_{k}" for k in DIGEST_FIELDS)
 AGREE_FIELDS = ("gathered", "world", "words", "rank", "state", "ring", "head", "ring_capacity", "tag")
 DIGEST_STATE_WORDS = 2  # digest.cu: the partial sum and the finished-block ticket
 HAS_ETOK, HAS_EPOS = 1 << 5, 1 << 6  # write.cu widths bits
@@ -202,6 +204,13 @@ class _Launch:
                 rt.launch_kernel(self.fn, self.grid, 1, 1, BLOCK, 1, 1, 0, stream, self.params_ptr, 0)
             return
         rt.launch_kernel(self.fn, self.grid, 1, 1, BLOCK, 1, 1, 0, stream, self.params_ptr, 0)
+
+
+class _OwningLaunch(_Launch):
+    """A launch that owns device memory its kernel reads (a descriptor table, launch state):
+    it lives exactly as long as the launch."""
+
+    __slots__ = ("owned",)
 
 
 def _aligned16(a, name: str) -> int:
@@ -344,8 +353,9 @@ def _canary_fields(family, kernels, canary, log, tag, sources, mode, stream: int
 
 
 def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode, expected_tokens,
-                  expected_positions, stream=None) -> _Launch:
-    """See :func:`kvcanary_cupy.ops.write`; views already validated."""
+                  expected_positions, digest=None, stream=None) -> _Launch:
+    """See :func:`kvcanary_cupy.ops.write`; views already validated. With ``digest`` (a
+    :class:`~kvcanary_cupy.digest.Digest`), one extra block of the launch computes it."""
     stream = _stream(stream)
     fn, dev, nf, v = _canary_fields("write", WRITE_KERNELS, canary, log, tag, sources, mode, stream)
     avail = min(input_ids.shape[0], positions.shape[0], out_cache_loc.shape[0])
@@ -364,7 +374,13 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
     # A warp per row for the chain (a scan chain's long rows: a block per row); with folds,
     # up to 32 lanes per token fingerprint.
     threads = max(wp.max_batch * (BLOCK if canary.chain == fmt.CHAIN_SCAN else 32), avail * min(nf, 32))
-    return _Launch(WRITE_FIELDS, fn, dev, v, _blocks(threads, _runtime().resident_blocks(fn, dev)))
+    blocks = _blocks(threads, _runtime().resident_blocks(fn, dev))
+    if digest is None:
+        return _Launch(WRITE_STEP_FIELDS, fn, dev, v, blocks)
+    d, owned = _digest_values(digest.rows, out=digest.out, carry=digest.carry, dev=dev, stream=stream)
+    launch = _OwningLaunch(WRITE_STEP_FIELDS, fn, dev, {**v, **{f"d_{k}": x for k, x in d.items()}}, blocks + 1)
+    launch.owned = owned
+    return launch
 
 
 def prepare_verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample, stream=None) -> _Launch:
@@ -396,19 +412,10 @@ def prepare_scatter(table, *, tokens, offsets, req_pool_indices, stream=None) ->
 
 
 # --- tensor-parallel agreement ----------------------------------------------------
-class _OwningLaunch(_Launch):
-    """A launch that owns device memory its kernel reads (a descriptor table, launch state):
-    it lives exactly as long as the launch."""
-
-    __slots__ = ("owned",)
-
-
-def prepare_digest(rows, *, out, carry, stream=None) -> _Launch:
-    """See :class:`kvcanary_cupy.digest.Digest`; views already validated. Uploads the row
-    descriptors and zeroes the launch state on ``stream``: prepare before a graph capture."""
+def _digest_values(rows, *, out, carry, dev: int, stream: int) -> tuple[dict, tuple]:
+    """(DIGEST_FIELDS values, device memory they point at) of a digest: uploads the row
+    descriptors and zeroes the launch state on ``stream``."""
     rt = _runtime()
-    stream = _stream(stream)
-    dev = _dev(out)
     descs = None
     if rows:
         host = np.array([(_ptr(data), data.shape[0], _ptr(count) if count is not None else 0,
@@ -417,14 +424,23 @@ def prepare_digest(rows, *, out, carry, stream=None) -> _Launch:
         descs = rt.upload_i64(host, dev, stream)
     state = rt.empty_i64(DIGEST_STATE_WORDS, dev)
     rt.zero_async(_ptr(state), 8 * DIGEST_STATE_WORDS, stream)
-    fn = rt.function("digest", "kvc::digest_rows", dev)
     v = dict(descs=_ptr(descs) if descs is not None else 0, num_descs=len(rows), out=_ptr(out), state=_ptr(state),
              carry=_ptr(carry) if carry is not None else 0, carry_words=carry.shape[0] if carry is not None else 0)
+    return v, (descs, state)
+
+
+def prepare_digest(rows, *, out, carry, stream=None) -> _Launch:
+    """See :class:`kvcanary_cupy.digest.Digest`; views already validated. Uploads the row
+    descriptors and zeroes the launch state on ``stream``: prepare before a graph capture."""
+    rt = _runtime()
+    dev = _dev(out)
+    v, owned = _digest_values(rows, out=out, carry=carry, dev=dev, stream=_stream(stream))
+    fn = rt.function("digest", "kvc::digest_rows", dev)
     elements = sum(int(r[0].shape[0]) for r in rows)
     # At most a block per SM: each block ends with two atomics on one address, and a
     # step's few hundred thousand elements keep that many blocks busy for a microsecond.
     launch = _OwningLaunch(DIGEST_FIELDS, fn, dev, v, _blocks(max(elements, 1), rt.sm_count(dev)))
-    launch.owned = (descs, state)
+    launch.owned = owned
     return launch
 
 

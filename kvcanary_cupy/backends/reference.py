@@ -455,6 +455,11 @@ def digest(rows, *, out, carry):
         out[1:1 + carry.shape[0]] = carry
 
 
+def _run_digest(d) -> None:
+    """:func:`digest` of a :class:`~kvcanary_cupy.digest.Digest`'s validated rows."""
+    digest(d.rows, out=d.out, carry=d.carry)
+
+
 def compare_digests(gathered, *, rank, state, log, tag):
     """Name every rank whose digest (column 0) differs from the majority's in a RANK_DIVERGENCE
     row; keep the group's tally from the gathered log heads (column 1). See digest.cu."""
@@ -503,9 +508,17 @@ def entry_digest(vp, *, out):
            carry=None)
 
 
-def prepare_write(canary, wp, *, stream=None, **inputs):
-    """:func:`write` bound to its arguments."""
-    return lambda _stream: write(canary, wp, **inputs)
+def prepare_write(canary, wp, *, stream=None, digest=None, **inputs):
+    """:func:`write` bound to its arguments; with ``digest``, then :func:`digest` of its rows."""
+    if digest is None:
+        return lambda _stream: write(canary, wp, **inputs)
+
+    job = digest
+
+    def run(_stream):
+        write(canary, wp, **inputs)
+        _run_digest(job)
+    return run
 
 
 def prepare_verify(canary, vp, *, stream=None, **inputs):

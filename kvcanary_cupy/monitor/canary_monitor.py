@@ -193,7 +193,13 @@ class KvCanary:
         self.groups = [g for g in (self.main, self.swa) if g is not None]
         for g in self.groups:  # misuse shows here, not in the first step
             g.check_sources()
-        self.log = ViolationLog.allocate(capacity=ring_capacity, device=self.device)
+        send = None
+        if process_group is not None:
+            from ..distributed import Agreement  # noqa: PLC0415  (imports PyTorch)
+
+            send = Agreement.allocate_send(self.device)  # its word 1 is the log's head: sent without a copy
+        self.log = ViolationLog.allocate(capacity=ring_capacity, device=self.device,
+                                         head=None if send is None else send[1:])
 
         # --- what a step hands work to ----------------------------------------
         self._keepalive = Keepalive(self.device)
@@ -206,9 +212,8 @@ class KvCanary:
         self._reporter = Reporter(g.name for g in self.groups)
         self._agreement = None
         if process_group is not None:
-            from ..distributed import Agreement  # noqa: PLC0415  (imports PyTorch)
-
-            self._agreement = Agreement(process_group, device=self.device, log=self.log, keepalive=self._keepalive)
+            self._agreement = Agreement(process_group, device=self.device, log=self.log, send=send,
+                                        keepalive=self._keepalive)
             for g in self.groups:
                 g.keep_entry_digest(self._keepalive.hold)
         # One pinned copy per poll: every group's scalars, the head snapshots, the log's counters
@@ -620,16 +625,21 @@ class KvCanary:
         swa_loc = self._swa_map.translate(step.loc, self.swa.swa.lut, ptr) if step.translate else None
         self._step_open = None
         ids, pos = step.ids, step.pos
-        for g, loc, (log, tag, srcs, mode, exp_in) in step.groups:
+        digest = None  # the ranks' agreement: its digest runs in the last write's launch
+        if self._agreement is not None:
+            locs = [swa_loc if loc is None else loc for _, loc, _ in step.groups]
+            digest = self._agreement.step_digest(self.groups, input_ids=ids, positions=pos, locs=locs)
+        last = len(step.groups) - 1
+        for i, (g, loc, (log, tag, srcs, mode, exp_in)) in enumerate(step.groups):
             ops.write(g.canary, g.wp, input_ids=ids, positions=pos, out_cache_loc=swa_loc if loc is None else loc,
-                      log=log, tag=tag, real_kv=srcs, real_kv_mode=mode, expected_inputs=exp_in, stream=ptr)
+                      log=log, tag=tag, real_kv=srcs, real_kv_mode=mode, expected_inputs=exp_in,
+                      digest=digest if i == last else None, stream=ptr)
         if self.verify_after:
             for g in self.groups:
                 ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_after, real_kv=g.sources,
                            real_kv_mode=g.mode, check_tokens=checked_tokens, sample=g.sampler, stream=ptr)
         if self._agreement is not None:
-            locs = [swa_loc if loc is None else loc for _, loc, _ in step.groups]
-            self._agreement.after_step(self.groups, input_ids=ids, positions=pos, locs=locs, ptr=ptr)
+            self._agreement.exchange(ptr)
 
     def _after_step(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc, expected_input_ids,
                     expected_positions) -> AfterStep:
