@@ -5,7 +5,8 @@ weights, greedy, at batch 1, 8 and 64: decode tokens/s without and with
 ``kvcanary_cupy.integrations.transformers.watch``, the median of several runs each
 (alternating), the overhead, and the canary's own cost per step: host time (the
 watch's hooks, monitor calls included) and device time (CUDA events on the engine's
-compute stream around the canary's launches).
+compute stream around the canary's launches). The host time is split: what the monitors'
+own calls take (launches, polls) and the rest, the adapter's (tables, staging, bookkeeping).
 
     python -m bench.transformers_overhead                       # CUDA (from the top of a checkout)
     python -m bench.transformers_overhead --cuda-graphs         # the engine's CUDA graphs on
@@ -98,22 +99,71 @@ class DeviceTimer:
         return sum(a.elapsed_time(b) for a, b in self.pairs)
 
 
+class HostSplit:
+    """Host time of the monitors' own calls made inside the watch's hooks (bench instrumentation):
+    the rest of the watch's host time is the adapter's (tables, staging, bookkeeping)."""
+
+    MONITOR_CALLS = ("before_forward", "after_forward", "poll", "export_slots", "import_slots", "sweep")
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._inside = 0
+        self._saved = {}
+
+    def __enter__(self):
+        from kvcanary_cupy.integrations.transformers.engine import EngineCanary  # noqa: PLC0415
+        from kvcanary_cupy.monitor import KvCanary  # noqa: PLC0415
+
+        self._saved = {(EngineCanary, "_run"): EngineCanary._run}
+        self._saved.update({(KvCanary, n): getattr(KvCanary, n) for n in self.MONITOR_CALLS})
+        run = EngineCanary._run
+
+        def hook(eng, fn, *args):
+            self._inside += 1
+            try:
+                return run(eng, fn, *args)
+            finally:
+                self._inside -= 1
+
+        def timed(fn):
+            def call(mon, *args, **kwargs):
+                if not self._inside:
+                    return fn(mon, *args, **kwargs)
+                t0 = time.perf_counter()
+                try:
+                    return fn(mon, *args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+            return call
+
+        EngineCanary._run = hook
+        for n in self.MONITOR_CALLS:
+            setattr(KvCanary, n, timed(getattr(KvCanary, n)))
+        return self
+
+    def __exit__(self, *exc):
+        for (cls, n), fn in self._saved.items():
+            setattr(cls, n, fn)
+        return False
+
+
 def one_run(model, prompts, gen, config, *, canary: bool, device: str):
     from kvcanary_cupy.integrations.transformers import watch  # noqa: PLC0415
 
     if not canary:
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config,
                                    record_timestamps=True)
-        return decode_rate(out) + (None, None, None)
-    timer = DeviceTimer()
-    with watch(model, policy="raise") as w, timer:
+        return decode_rate(out) + (None, None, None, None)
+    timer, split = DeviceTimer(), HostSplit()
+    with watch(model, policy="raise") as w, timer, split:
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config,
                                    record_timestamps=True)
     s = w.stats()
     dev_us = 1e3 * timer.total_ms() / s["steps"] if device != "cpu" and s["steps"] else float("nan")
+    adapter_us = 1e6 * (s["host_seconds"] - split.seconds) / s["steps"] if s["steps"] else float("nan")
     if s["violations"]:
         raise RuntimeError(f"the canary found {s['violations']} violations in a clean run")
-    return decode_rate(out) + (s["host_us_per_step"], dev_us, s["steps"])
+    return decode_rate(out) + (s["host_us_per_step"], adapter_us, dev_us, s["steps"])
 
 
 def main(argv=None) -> int:
@@ -153,18 +203,19 @@ def main(argv=None) -> int:
                                           **extra)
         one_run(model, prompts, gen, config, canary=False, device=args.device)  # warm-up (allocator, kernels)
         one_run(model, prompts, gen, config, canary=True, device=args.device)
-        plain, watched, host, dev, steps = [], [], [], [], []
+        plain, watched, host, adapter, dev, steps = [], [], [], [], [], []
         for _ in range(runs):
             plain.append(one_run(model, prompts, gen, config, canary=False, device=args.device)[0])
-            rate, _, h, d, n = one_run(model, prompts, gen, config, canary=True, device=args.device)
+            rate, _, h, a, d, n = one_run(model, prompts, gen, config, canary=True, device=args.device)
             watched.append(rate)
             host.append(h)
+            adapter.append(a)
             dev.append(d)
             steps.append(n)
             print(f"batch {batch}: {plain[-1]:.1f} / {watched[-1]:.1f} tok/s", file=sys.stderr)
         p, w = statistics.median(plain), statistics.median(watched)
         rows.append((batch, p, w, 100.0 * (p - w) / p if p else float("nan"), statistics.median(host),
-                     statistics.median(dev), 1e3 * batch / p if p else float("nan")))
+                     statistics.median(adapter), statistics.median(dev), 1e3 * batch / p if p else float("nan")))
 
     cmd = "python -m bench.transformers_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
     model_name = "tiny model (dry run)" if small else "Llama 2048 x 16 layers, bf16"
@@ -172,11 +223,11 @@ def main(argv=None) -> int:
           f", prompt {plen}, {new} new tokens, median of {runs} runs, device {args.device}"
           f"{', CUDA graphs' if args.cuda_graphs else ''} ({time.strftime('%Y-%m-%d')}; `{cmd.strip()}`)\n")
     print("| batch | tokens/s without | tokens/s with canary | overhead | canary host us/step | "
-          "canary device us/step | step ms without |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for b, p, w, ov, h, d, ms in rows:
+          "of which adapter us/step | canary device us/step | step ms without |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b, p, w, ov, h, a, d, ms in rows:
         dev = "-" if d != d else f"{d:.0f}"  # no CUDA events on the CPU
-        print(f"| {b} | {p:.1f} | {w:.1f} | {ov:+.2f} % | {h:.0f} | {dev} | {ms:.2f} |")
+        print(f"| {b} | {p:.1f} | {w:.1f} | {ov:+.2f} % | {h:.0f} | {a:.0f} | {dev} | {ms:.2f} |")
     return 0
 
 

@@ -123,6 +123,7 @@ def drive(model, inputs, *, gen, config, max_new_tokens: int, inject=None, timeo
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
     manager.warmup()  # builds the batch processor (and so attaches the canary) in this thread
     bp = manager.batch_processor
+    zero_cache(bp)
     inner = bp.update_batch
 
     def update_batch():
@@ -152,6 +153,16 @@ def drive(model, inputs, *, gen, config, max_new_tokens: int, inject=None, timeo
         manager.stop(block=True, timeout=60)
         manager.destroy()
     return d
+
+
+def zero_cache(bp) -> None:
+    """Zero the engine's KV cache before its first step. The engine allocates it uninitialized, so it
+    may hold NaN; a fault that makes one request attend over rows nothing wrote would then turn the
+    whole packed batch to NaN (masked-out rows still enter the product: 0 * NaN), and whether the
+    other requests' outputs survive would depend on the process's allocation history."""
+    with torch.no_grad():
+        for t in (*bp.cache.key_cache, *bp.cache.value_cache):
+            t.zero_()
 
 
 def reference(model, inputs, *, gen, config) -> dict:

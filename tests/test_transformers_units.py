@@ -77,6 +77,78 @@ def test_expected_tokens_follow_prompt_then_generated_and_grow():
     assert t.tokens().table is t.table.array
 
 
+def test_row_pool_gives_a_repeated_batch_its_rows_again():
+    pool = RowPool(5)
+    a, b, c = object(), object(), object()
+    assert pool.rows_of([a, b]) == ((1, 2), (True, True))
+    assert pool.rows_of([a, b]) == ((1, 2), (False, False))  # the same states, in order: nothing moves
+    assert pool.rows_of([b, a, c]) == ((2, 1, 3), (False, False, True))
+    pool.clear()
+    assert pool.rows_of([b, a, c]) == ((1, 2, 3), (True, True, True))
+
+
+def test_expected_token_not_sampled_yet_is_written_once_known():
+    t = ExpectedTable(2, 8, "cpu", valid_lens=np.zeros(1, np.int64))
+    s = state([5, 6], [7])
+    t.fill([1], [s], [3], [True])
+    t.fill([1], [s], [4], [False])  # position 3: its token is still being sampled
+    assert t.table.host[1, :4].tolist() == [5, 6, 7, -1]
+    s.generated_tokens.append(8)
+    t.fill([1], [s], [4], [False])
+    assert t.table.host[1, :4].tolist() == [5, 6, 7, 8]
+
+
+def test_full_group_follows_appended_swapped_and_replaced_block_lists():
+    blocks = [3, 0]
+    table = {"a": blocks, "b": [9]}
+    g = group(table, width=8)
+    g.fill([1], ["a"], [0], [8])
+    assert g.table.host[1].tolist() == [4, 1, 0, 0, 0, 0, 0, 0]
+    blocks.append(7)  # the engine appends a block for the next page
+    g.fill([1], ["a"], [8], [9])
+    assert g.table.host[1, :3].tolist() == [4, 1, 8]
+    blocks[0], blocks[1] = blocks[1], blocks[0]  # changed in place: the row follows the next step
+    g.fill([1], ["a"], [9], [10])
+    assert g.table.host[1, :3].tolist() == [1, 4, 8]
+    assert g.step_slots([9]) == g.slots_of("a", np.array([9])).tolist()
+    g.fill([1], ["b"], [0], [12])  # another request on the row: its page, page 0 where it has none
+    assert g.table.host[1, :2].tolist() == [10, 0]
+    table["b"].append(5)
+    g.fill([1], ["b"], [8], [12])
+    assert g.table.host[1, :2].tolist() == [10, 6]
+
+
+def test_sliding_group_slides_and_follows_a_changed_ring():
+    blocks = [2, 5]
+    g = group({"a": blocks}, window=6, width=32)
+    for p in range(3, 20):  # a position per step, the window sliding once full
+        g.fill([1], ["a"], [p], [p + 1])
+        lo = max(p - 6, 0)
+        assert np.flatnonzero(g.table.host[1]).tolist() == list(range(lo, p))
+        assert g.table.host[1, lo:p].tolist() == g.slots_of("a", np.arange(lo, p)).tolist()
+    blocks[0], blocks[1] = blocks[1], blocks[0]
+    g.fill([1], ["a"], [20], [21])
+    assert g.table.host[1, 14:20].tolist() == g.slots_of("a", np.arange(14, 20)).tolist()
+    assert g.step_slots([20]) == g.slots_of("a", np.array([20])).tolist()
+
+
+def test_table_changes_reach_the_device_array():
+    torch = pytest.importorskip("torch")
+    from kvcanary_cupy.integrations.transformers.staging import ChangeUpload  # noqa: PLC0415
+
+    t = MirroredTable(3, 4, "cpu", fill=-1)
+    t.cpu, t.array = False, torch.full((3, 4), -1, dtype=torch.int32)  # a device table, on the CPU
+    upload = ChangeUpload("cpu")
+    t.put_list([1, 6], [7, 8])
+    t.put(np.array([2, 2]), np.array([0, 3]), np.array([9, 10]))
+    t.put_list([1], [7])  # unchanged: nothing travels
+    assert upload.flush([t]) == 4
+    assert t.array.tolist() == t.host.tolist() == [[-1, 7, -1, -1], [-1, -1, 8, -1], [9, -1, -1, 10]]
+    assert upload.flush([t]) == 0
+    t.put_flat(np.arange(12, dtype=np.int64), np.arange(12, dtype=np.int32))
+    assert upload.flush([t]) == 12 and t.array.view(-1).tolist() == list(range(12))
+
+
 def test_full_group_row_is_the_page_table_plus_one():
     g = group({"a": [3, 0, 7]})
     g.fill(np.array([2]), ["a"], np.array([5]), np.array([10]))

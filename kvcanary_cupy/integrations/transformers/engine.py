@@ -25,6 +25,8 @@ Everything the monitors do runs on the engine's compute stream.
 """
 from __future__ import annotations
 
+import contextlib
+import operator
 import time
 
 import numpy as np
@@ -38,7 +40,7 @@ from .moves import RecordMoves
 from .slots import SlotMap, bytes_per_row, kv_sources
 from .staging import ChangeUpload, StepArrays
 from .tables import ExpectedTable, RowPool
-from .violations import EngineViolation, RequestTag, cancel_message
+from .violations import EngineViolation, cancel_message, request_tags
 
 
 def device_name(device) -> str:
@@ -64,6 +66,11 @@ def same_device(asked: str, actual: str) -> bool:
     if asked == actual:
         return True
     return asked == "cuda" and actual.startswith("cuda:")
+
+
+# What a step reads of each scheduled request (one C-level map each: this runs every step).
+_STATE, _QUERY_LENGTH = operator.attrgetter("state"), operator.attrgetter("query_length")
+_REQUEST_ID, _POSITION = operator.attrgetter("request_id"), operator.attrgetter("position_offset")
 
 
 def _quiet(found) -> None:
@@ -191,8 +198,7 @@ class EngineCanary:
         def compute_batch(model, batch_data):
             orig(model, batch_data)
             if self.open:  # a real step (warm-up runs no step)
-                self._run(self.after_forward)
-                self._run(self.poll)
+                self._run(self.after_forward_and_poll)
         return compute_batch
 
     def _update_batch_hook(self, orig):
@@ -261,30 +267,26 @@ class EngineCanary:
             raise ValueError(f"kvcanary: the engine scheduled {bs} requests, more than its max_requests_per_batch "
                              f"= {self.max_batch} the monitors were sized for")
         self.steps.wait_reusable()
-        states = [fs.state for fs in batch]
-        rids = [st.request_id for st in states]
-        ext = np.fromiter((fs.query_length for fs in batch), dtype=np.int64, count=bs)
-        # The engine already advanced position_offset past this step's tokens.
-        ends = np.fromiter((st.position_offset for st in states), dtype=np.int64, count=bs)
-        pre = ends - ext
-        rows, fresh, busy = np.empty(bs, dtype=np.int64), np.empty(bs, dtype=bool), set()
-        for i, st in enumerate(states):
-            rows[i], fresh[i] = self.rows.acquire(st, busy)
-            busy.add(int(rows[i]))
-        h = self.steps.host
-        h["rows"][:bs], h["prefix"][:bs], h["extend"][:bs], h["valid"][:bs] = rows, pre, ext, ends
-        self.expected.reserve(int(ends.max()), self.stream)
+        states = list(map(_STATE, batch))
+        rids = list(map(_REQUEST_ID, states))
+        ext = list(map(_QUERY_LENGTH, batch))
+        ends = list(map(_POSITION, states))  # the engine already advanced it past this step's tokens
+        pre = list(map(operator.sub, ends, ext))
+        rows, fresh = self.rows.rows_of(states)
+        self.steps.set_batch(rows, pre, ext, ends)
+        self.expected.reserve(max(ends), self.stream)
         self.expected.fill(rows, states, ends, fresh)
         fast = bool(io.use_block_table)  # one token per request, written through the engine's block table
         for g in self.groups:
             g.fill(rows, rids, pre, ends)
             if fast:
-                h[f"loc{g.index}"][:bs] = g.step_slots(pre)
-        self.steps.upload(self.stream)
-        if self.upload is not None:
-            self.upload.flush([g.table for g in self.groups] + [self.expected.table], self.stream)
+                self.steps.loc[g.index][:bs] = g.step_slots(pre)
+        if not self.cpu:
+            with self._on_stream():
+                self.steps.upload()
+                self.upload.flush([g.table for g in self.groups] + [self.expected.table])
         self.step += 1
-        tags = [RequestTag(rid, self.step) for rid in rids]
+        tags = request_tags(rids, self.step)
         exp = self.expected.tokens()
         self.open = True  # before the first monitor opens its step: a failure below aborts them all
         for g in self.groups:
@@ -296,25 +298,42 @@ class EngineCanary:
         io = self.io
         n = int(io.total_seqlen_q)
         fast = bool(io.use_block_table)
-        shift = self.slot_map.shift
         for g in self.groups:
             if not fast and int(io.true_write_sizes[g.index]) != n:
                 raise ValueError(f"kvcanary: layer group {g.index}: the engine wrote {io.true_write_sizes[g.index]} "
                                  f"slots for {n} tokens")
-            if self.cpu:
-                if fast:
-                    g.loc[:n] = self.steps.host[f"loc{g.index}"][:n]
-                else:
-                    np.add(self._write_index[g.index, :n], shift, out=g.loc[:n])
-            else:
-                import torch  # noqa: PLC0415
-
-                with torch.cuda.stream(self.stream):
-                    if fast:
-                        g.loc[:n].copy_(self.steps.device_view(f"loc{g.index}")[:n])
-                    else:
-                        torch.add(self._write_index[g.index, :n], shift, out=g.loc[:n])
+        with self._on_stream():  # one stream switch for every group's copy
+            for g in self.groups:
+                self._written_slots(g, n, fast)
+        for g in self.groups:
             g.monitor.after_forward(num_tokens=n, stream=self.ptr)
+
+    def after_forward_and_poll(self) -> None:
+        """:meth:`after_forward`, then :meth:`poll` (queues the copy the update's poll reads on CUDA)."""
+        self.after_forward()
+        self.poll()
+
+    def _written_slots(self, g, n: int, fast: bool) -> None:
+        """Put the canary slots of the ``n`` tokens the step wrote in group ``g`` where its monitor reads them."""
+        if fast:  # the slots before_step worked out from the block lists
+            if self.cpu:
+                g.loc[:n] = self.steps.loc[g.index][:n]
+            else:
+                g.loc[:n].copy_(self.steps.device_view(f"loc{g.index}")[:n])
+        elif self.cpu:
+            np.add(self._write_index[g.index, :n], self.slot_map.shift, out=g.loc[:n])
+        else:
+            import torch  # noqa: PLC0415
+
+            torch.add(self._write_index[g.index, :n], self.slot_map.shift, out=g.loc[:n])
+
+    def _on_stream(self):
+        """The engine's compute stream made current for torch work (nothing on the CPU)."""
+        if self.cpu:
+            return contextlib.nullcontext()
+        import torch  # noqa: PLC0415
+
+        return torch.cuda.stream(self.stream)
 
     def abort(self) -> None:
         """The forward failed: close the step without stamping."""

@@ -11,12 +11,26 @@ group whose entries outside the window are 0 (slot 0 is never verified). The
 sliding group reads the ``W - 1`` positions before a step's first token; its
 table also holds the one before those, whose record the window's first link
 continues.
+
+A table row is a function of the block list it was written from (and, for a
+sliding group, of its window): each row keeps a copy of that list, and a step
+compares the engine's list with it (the engine, or a fault, may change a list in
+place). A row whose list is unchanged gets only what moved: nothing for a full
+group, the positions that entered and left the window for a sliding one; a full
+group's row whose list only grew gets the new blocks' pages. Any other row is
+rewritten whole, exactly as a first fill would.
 """
 from __future__ import annotations
 
+import itertools
+import operator
+
 import numpy as np
 
-from .tables import MirroredTable, flatten, spans
+from .tables import MirroredTable, as_ints, flatten, spans
+
+# A window that moved by more positions than this is rewritten with NumPy rather than position by position.
+_SLIDE_MAX = 16
 
 
 class LayerGroup:
@@ -42,8 +56,10 @@ class LayerGroup:
         self.table = table
         self.monitor = None  # the KvCanary, set by the engine canary
         self.loc = None  # the canary slots the step wrote (the monitor's bound out_cache_loc)
-        self._span = np.zeros((table.host.shape[0], 2), dtype=np.int64)  # sliding: [lo, hi) set per row
-        self._step_blocks = (np.zeros(0, np.int64),) * 3
+        rows = table.host.shape[0]
+        self._seen: list = [None] * rows  # per row: a copy of the block list the row was written from
+        self._lo, self._hi = [0] * rows, [0] * rows  # sliding: the positions [lo, hi) each row holds
+        self._step_rows: list = []
 
     @property
     def sliding(self) -> bool:
@@ -52,32 +68,119 @@ class LayerGroup:
     def blocks(self, request_id) -> list:
         return self.allocator.block_table.get(request_id, ())
 
-    def fill(self, rows: np.ndarray, request_ids: list, prefix: np.ndarray, ends: np.ndarray) -> None:
+    def fill(self, rows, request_ids: list, prefix, ends) -> None:
         """Point each request's row at what it reads before writing positions ``prefix .. ends - 1``.
 
-        The block lists are read from the engine's allocator every step, whole: a table
-        entry the engine changed in place is seen the step after.
+        The block lists are read from the engine's allocator every step, whole, and
+        compared with the ones each row was written from: an entry the engine (or a
+        fault) changed in place is seen the step after. ``rows``, ``prefix`` and
+        ``ends`` are per request (sequences or arrays).
         """
-        blocks, first, count = flatten([self.blocks(rid) for rid in request_ids])
-        self._step_blocks = blocks, first, count
-        bs, width = self.slot_map.block_size, self.table.width
-        if not self.sliding:
-            have = np.minimum(count, width)
-            owner, cols = spans(np.zeros_like(have), have)
-            self.table.put(rows[owner], cols, blocks[first[owner] + cols] + 1)
-            need = np.minimum(-(-ends // bs), width)
-            if (need > have).any():  # pages the engine does not have: page 0, never stamped, so reading fails
-                owner, cols = spans(have, need)
-                self.table.put(rows[owner], cols, 0)
+        rows, prefix, ends = as_ints(rows), as_ints(prefix), as_ints(ends)
+        lists = list(map(self.allocator.block_table.get, request_ids, itertools.repeat(())))
+        self._step_rows = rows
+        if self.sliding:
+            self._fill_windows(rows, lists, prefix)
+        else:
+            self._fill_pages(rows, lists, ends)
+
+    def _fill_pages(self, rows: list, lists: list, ends: list) -> None:
+        """Full group: the pages of blocks appended to a row's list; rows whose list changed
+        otherwise, or that read past their last block, are rewritten."""
+        seen, bs, width = self._seen, self.slot_map.block_size, self.table.width
+        # The common step, in C: every list as its row holds it, and covering what the request reads.
+        if list(map(seen.__getitem__, rows)) == lists and all(
+                map(operator.ge, map(operator.mul, map(len, lists), itertools.repeat(bs)), ends)):
             return
+        flat, values, stale = [], [], []
+        for i, (row, blocks, end) in enumerate(zip(rows, lists, ends)):
+            old = seen[row]
+            if blocks == old and end <= len(blocks) * bs:
+                continue
+            n = -1 if old is None else len(old)
+            if 0 <= n < len(blocks) <= width and end <= len(blocks) * bs and blocks[:n] == old:
+                base = row * width
+                flat.extend(range(base + n, base + len(blocks)))
+                values.extend(b + 1 for b in blocks[n:])
+                old.extend(blocks[n:])
+            else:
+                stale.append(i)
+        if flat:
+            self.table.put_list(flat, values)
+        if stale:
+            self._write_pages([rows[i] for i in stale], [lists[i] for i in stale], [ends[i] for i in stale])
+            for i in stale:
+                seen[rows[i]] = list(lists[i])
+
+    def _write_pages(self, rows: list, lists: list, ends: list) -> None:
+        """Write whole rows: every page of each request, then page 0 for the pages it reads but lacks."""
+        blocks, first, count = flatten(lists)
+        rows, ends = np.array(rows, dtype=np.int64), np.array(ends, dtype=np.int64)
+        bs, width = self.slot_map.block_size, self.table.width
+        have = np.minimum(count, width)
+        owner, cols = spans(np.zeros_like(have), have)
+        self.table.put(rows[owner], cols, blocks[first[owner] + cols] + 1)
+        need = np.minimum(-(-ends // bs), width)
+        if (need > have).any():  # pages the engine does not have: page 0, never stamped, so reading fails
+            owner, cols = spans(have, need)
+            self.table.put(rows[owner], cols, 0)
+
+    def _fill_windows(self, rows: list, lists: list, prefix: list) -> None:
+        """Sliding group: each row holds the slots of positions ``[prefix - window, prefix)``, 0 elsewhere.
+
+        A row whose block list is unchanged and whose window moved a little gets the
+        positions that left (0) and entered (their slots); the others are rewritten.
+        """
+        seen, los, his = self._seen, self._lo, self._hi
+        w, width = self.window, self.table.width
+        flat, values, stale = [], [], []
+        for i, (row, blocks, p) in enumerate(zip(rows, lists, prefix)):
+            lo = p - w if p > w else 0
+            hi = max(min(p, width), lo)
+            old_lo, old_hi = los[row], his[row]
+            same = blocks == seen[row]
+            if same and lo == old_lo and hi == old_hi:
+                continue
+            if not same or abs(lo - old_lo) + abs(hi - old_hi) > _SLIDE_MAX:
+                stale.append(i)
+                continue
+            base = row * width
+            for pos in (*range(old_lo, min(old_hi, lo)), *range(max(old_lo, hi), old_hi)):  # left the window
+                flat.append(base + pos)
+                values.append(0)
+            for pos in (*range(lo, min(hi, old_lo)), *range(max(lo, old_hi), hi)):  # entered it
+                flat.append(base + pos)
+                values.append(self._ring_slot(blocks, pos))
+            los[row], his[row] = lo, hi
+        if flat:
+            self.table.put_list(flat, values)
+        if stale:
+            self._write_windows([rows[i] for i in stale], [lists[i] for i in stale], [prefix[i] for i in stale])
+
+    def _write_windows(self, rows: list, lists: list, prefix: list) -> None:
+        """Rewrite whole windows: 0 where a row's previous window no longer reaches, the slots of the new one."""
+        blocks, first, count = flatten(lists)
+        rows, prefix = np.array(rows, dtype=np.int64), np.array(prefix, dtype=np.int64)
+        width = self.table.width
         lo, hi = np.maximum(prefix - self.window, 0), np.minimum(prefix, width)
-        old_lo, old_hi = self._span[rows, 0], self._span[rows, 1]
+        old_lo = np.array([self._lo[r] for r in rows.tolist()], dtype=np.int64)
+        old_hi = np.array([self._hi[r] for r in rows.tolist()], dtype=np.int64)
         for a, b in ((old_lo, np.minimum(old_hi, lo)), (np.maximum(old_lo, hi), old_hi)):
             owner, cols = spans(a, b)  # positions that left the window
             self.table.put(rows[owner], cols, 0)
         owner, pos = spans(lo, hi)
         self.table.put(rows[owner], pos, self._ring_slots(blocks, first[owner], count[owner], pos))
-        self._span[rows, 0], self._span[rows, 1] = lo, np.maximum(hi, lo)
+        hi = np.maximum(hi, lo)
+        for r, blk, a, b in zip(rows.tolist(), lists, lo.tolist(), hi.tolist()):
+            self._lo[r], self._hi[r] = a, b
+            self._seen[r] = list(blk)
+
+    def _ring_slot(self, blocks: list, position: int) -> int:
+        """:meth:`_ring_slots` of one position, in plain Python."""
+        bs = self.slot_map.block_size
+        idx = position % self.window if self.sliding else position
+        k = idx // bs
+        return blocks[k] * bs + idx % bs + self.slot_map.shift if k < len(blocks) else 1
 
     def _ring_slots(self, blocks, first, count, positions) -> np.ndarray:
         """Canary slots of ``positions`` given each one's request blocks (``first``, ``count`` into ``blocks``);
@@ -90,10 +193,17 @@ class LayerGroup:
         found = blocks[at] * bs + idx % bs + self.slot_map.shift if len(blocks) else np.zeros_like(at)
         return np.where(have, found, 1)
 
-    def step_slots(self, positions: np.ndarray) -> np.ndarray:
-        """Canary slots of one position per request of the step :meth:`fill` saw, in batch order."""
-        blocks, first, count = self._step_blocks
-        return self._ring_slots(blocks, first, count, positions)
+    def step_slots(self, positions) -> list:
+        """Canary slots of one position per request of the step :meth:`fill` saw, in batch order
+        (:meth:`_ring_slot` of each, inlined: a decode step asks for every request's)."""
+        seen, window = self._seen, self.window
+        bs, shift = self.slot_map.block_size, self.slot_map.shift
+        out = []
+        for row, p in zip(self._step_rows, as_ints(positions)):
+            blocks = seen[row]
+            k, off = divmod(p % window if window else p, bs)
+            out.append(blocks[k] * bs + off + shift if k < len(blocks) else 1)
+        return out
 
     def slots_of(self, request_id, positions: np.ndarray) -> np.ndarray:
         """Canary slots (int64) where the request keeps ``positions`` in this group (1 where it has
@@ -103,10 +213,13 @@ class LayerGroup:
         return self._ring_slots(blocks, np.zeros_like(n), n, np.asarray(positions, dtype=np.int64))
 
     def forget_rows(self) -> None:
-        """The engine reset its requests: clear every sliding window a row still points at."""
-        owner, cols = spans(self._span[:, 0], self._span[:, 1])
+        """The engine reset its requests: clear every sliding window a row still points at, and
+        forget the block lists, so every row is rewritten at its next fill."""
+        owner, cols = spans(self._lo, self._hi)
         self.table.put(owner, cols, 0)
-        self._span[:] = 0
+        self._lo[:] = self._hi[:] = [0] * len(self._lo)
+        self._seen[:] = [None] * len(self._seen)
+        self._step_rows = []
 
 
 def build_groups(cache, slot_map, *, rows: int, max_len: int, device: str) -> list[LayerGroup]:

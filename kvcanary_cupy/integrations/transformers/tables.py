@@ -5,14 +5,24 @@ while it stays live so a step writes only what changed: a new block, a block
 the prefix cache swapped, a window that slid, the tokens generated since. The
 host keeps a mirror of every table; on the CPU the monitor reads the mirror
 itself, on CUDA the step's changes travel to the device (:mod:`.staging`).
+
+The engine's host sync makes every microsecond spent here part of its step, so
+the per-request work is plain Python over ints and lists, and a step's few
+changes (a decode step's one token per request) are written entry by entry: a
+NumPy call costs more than a decode step's whole row. Large changes (a prefill,
+a rewritten row) go through NumPy.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import itertools
+import operator
 
 import numpy as np
+
+# Up to this many entries a table change is written entry by entry (see MirroredTable.put_list).
+_FEW = 256
 
 
 def spans(starts, stops) -> tuple[np.ndarray, np.ndarray]:
@@ -29,6 +39,27 @@ def spans(starts, stops) -> tuple[np.ndarray, np.ndarray]:
     owner = np.repeat(np.arange(len(lens)), lens)
     first = np.cumsum(lens) - lens
     return owner, np.arange(int(lens.sum()), dtype=np.int64) - first[owner] + starts[owner]
+
+
+def as_ints(values):
+    """A NumPy array as a list of Python ints (cheap to index one by one); anything else as is."""
+    return values.tolist() if isinstance(values, np.ndarray) else values
+
+
+def _tokens_into(out: list, init: list, gen: list, first: int, end: int) -> int:
+    """Append the tokens of positions ``first .. end - 1`` of prompt ``init`` then ``gen``, -1 for
+    those not known yet; returns the first position not written with a known token."""
+    ni = len(init)
+    known = min(end, ni + len(gen))
+    if first >= ni:
+        out.extend(gen[first - ni:known - ni])
+    else:
+        out.extend(init[first:min(known, ni)])
+        if known > ni:
+            out.extend(gen[:known - ni])
+    if known < end:
+        out.extend([-1] * (end - max(known, first)))
+    return max(known, first)
 
 
 def flatten(lists) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -70,6 +101,37 @@ class RowPool:
         """Forget every owner (the engine reset its requests)."""
         self._free = list(range(self.num_rows - 1, 0, -1))
         self._owner: collections.OrderedDict = collections.OrderedDict()  # id(state) -> (row, state)
+        self._last: tuple = ((), ())  # the states of the latest rows_of and their rows
+
+    def rows_of(self, states: list) -> tuple[tuple, tuple]:
+        """``(rows, fresh)`` of a step's states, in order: :meth:`acquire` for each, none
+        taking a row another state of the step holds.
+
+        A step that schedules the very same state objects in the same order as the step
+        before (a steady decode) gets the same rows without touching the pool: acquiring
+        them again would move them to the most recently used end, in that order, which is
+        where they already are.
+
+        Example::
+
+            >>> pool = RowPool(4)
+            >>> a, b = object(), object()
+            >>> pool.rows_of([a, b]), pool.rows_of([a, b]), pool.rows_of([b])
+            (((1, 2), (True, True)), ((1, 2), (False, False)), ((2,), (False,)))
+        """
+        last_states, last_rows = self._last
+        if len(states) == len(last_states) and all(map(operator.is_, states, last_states)):
+            return last_rows, (False,) * len(states)
+        busy: set = set()
+        rows, fresh = [], []
+        for st in states:
+            row, new = self.acquire(st, busy)
+            busy.add(row)
+            rows.append(row)
+            fresh.append(new)
+        rows = tuple(rows)
+        self._last = (tuple(states), rows)
+        return rows, tuple(fresh)
 
     def acquire(self, state, busy: set) -> tuple[int, bool]:
         """``(row, fresh)``: the row of ``state``; ``fresh`` when it was just (re)assigned."""
@@ -119,24 +181,59 @@ class MirroredTable:
 
             self.array = torch.full((rows, width), fill, dtype=torch.int32, device=device)
         self._idx: list = []  # flat indices changed since the last take (CUDA)
-
-    @property
-    def width(self) -> int:
-        return int(self.host.shape[1])
+        self._flat = memoryview(self.host.reshape(-1))  # one entry at a time, without NumPy's per-call cost
+        self.width = int(width)
 
     def put(self, rows: np.ndarray, cols: np.ndarray, values) -> None:
         """Set ``[rows[i], cols[i]]`` to ``values[i]`` (or one value), each entry once; only changes travel."""
-        if not len(rows):
+        if len(rows):
+            self.put_flat(rows * self.width + cols, values)
+
+    def put_list(self, flat: list, values: list) -> None:
+        """:meth:`put_flat` for Python lists: a step's few changes (a decode step's one per
+        request) are written one by one, which costs less than converting them for NumPy.
+
+        Example::
+
+            >>> t = MirroredTable(2, 3, "cpu")
+            >>> t.put_list([4, 5], [7, -1])
+            >>> t.host.tolist()
+            [[0, 0, 0], [0, 7, -1]]
+        """
+        if len(flat) > _FEW:
+            self.put_flat(np.array(flat, dtype=np.int64), np.array(values, dtype=np.int32))
             return
-        flat = rows * self.width + cols
+        mv = self._flat
+        if self.cpu:
+            for i, v in zip(flat, values):
+                mv[i] = v
+            return
+        changed = []
+        for i, v in zip(flat, values):
+            if mv[i] != v:
+                mv[i] = v
+                changed.append(i)
+        if changed:
+            self._idx.append(changed)
+
+    def put_flat(self, flat, values) -> None:
+        """Set the entries at flat indices ``flat`` (int64 array) to ``values`` (or one value), each entry once.
+
+        On the CPU the mirror is the table the monitor reads: the values go straight in.
+        On CUDA only entries whose value changes are queued for the device.
+        """
+        if not len(flat):
+            return
         hf = self.host.reshape(-1)
+        if self.cpu:
+            hf[flat] = values
+            return
         values = np.broadcast_to(np.asarray(values, dtype=np.int32), flat.shape)
         diff = np.flatnonzero(hf[flat] != values)
         if diff.size:
-            idx, v = flat[diff], values[diff]
-            hf[idx] = v
-            if not self.cpu:
-                self._idx.append(idx)
+            idx = flat[diff]
+            hf[idx] = values[diff]
+            self._idx.append(idx)
 
     def take(self):
         """The pending changes ``(flat indices int64, values int32)`` since the last take, or None.
@@ -146,7 +243,10 @@ class MirroredTable:
         """
         if not self._idx:
             return None
-        idx = np.unique(np.concatenate(self._idx)) if len(self._idx) > 1 else self._idx[0]
+        if len(self._idx) > 1:
+            idx = np.unique(np.concatenate([np.asarray(i, dtype=np.int64) for i in self._idx]))
+        else:
+            idx = np.asarray(self._idx[0], dtype=np.int64)
         self._idx.clear()
         return idx, self.host.reshape(-1)[idx]
 
@@ -168,7 +268,7 @@ class ExpectedTable:
     def __init__(self, rows: int, width: int, device: str, valid_lens):
         self.device = device
         self.table = MirroredTable(rows, max(int(width), 1), device, fill=-1)
-        self.filled = np.zeros(rows, dtype=np.int64)
+        self.filled = [0] * rows  # per row: the first position not written with a known token
         self.valid_lens = valid_lens
         self._tokens = None
 
@@ -203,35 +303,40 @@ class ExpectedTable:
         self.table = new
         self._tokens = None
 
-    def fill(self, rows: np.ndarray, states: list, ends: np.ndarray, fresh: np.ndarray) -> None:
+    def fill(self, rows, states: list, ends, fresh) -> None:
         """Write each request's known tokens of positions ``< ends[i]`` not written yet (all of a
-        ``fresh`` row); positions not known yet (a token still being sampled) hold -1."""
-        start = np.where(fresh, 0, self.filled[rows])
-        due = np.flatnonzero(ends > start)
-        if not due.size:
-            return
-        values: list = []
-        written = []
-        for i, f, e in zip(due.tolist(), start[due].tolist(), ends[due].tolist()):
-            st = states[i]
-            init, gen = st.initial_tokens, st.generated_tokens
-            ni = len(init)
-            known = min(e, ni + len(gen))
-            if f >= ni:
-                if known - f == 1:  # a decode step: the one token sampled last
-                    values.append(gen[f - ni])
+        ``fresh`` row); positions not known yet (a token still being sampled) hold -1.
+
+        ``rows``, ``ends`` and ``fresh`` are per request of ``states`` (sequences or arrays).
+        A decode step writes one position per request: the token sampled last.
+        """
+        width, filled = self.width, self.filled
+        flat, values = [], []  # single positions
+        starts, stops, run_values = [], [], []  # longer runs (a prefill, a fresh row)
+        for row, st, e, new in zip(as_ints(rows), states, as_ints(ends), as_ints(fresh)):
+            f = 0 if new else filled[row]
+            if e == f + 1:  # one position (every decode step): its token, -1 while not sampled yet
+                init = st.initial_tokens
+                if f < len(init):
+                    values.append(init[f])
+                    filled[row] = e
                 else:
-                    values.extend(gen[f - ni:known - ni])
-            else:
-                values.extend(init[f:min(known, ni)])
-                if known > ni:
-                    values.extend(gen[:known - ni])
-            if known < e:
-                values.extend([-1] * (e - max(known, f)))
-            written.append(max(known, f))
-        owner, cols = spans(start[due], ends[due])
-        self.table.put(rows[due][owner], cols, np.array(values, dtype=np.int64))
-        self.filled[rows[due]] = written
+                    gen, k = st.generated_tokens, f - len(init)
+                    if k < len(gen):
+                        values.append(gen[k])
+                        filled[row] = e
+                    else:
+                        values.append(-1)
+                        filled[row] = f
+                flat.append(row * width + f)
+            elif e > f:
+                filled[row] = _tokens_into(run_values, st.initial_tokens, st.generated_tokens, f, e)
+                starts.append(row * width + f)
+                stops.append(row * width + e)
+        if flat:
+            self.table.put_list(flat, values)
+        if starts:
+            self.table.put_flat(spans(starts, stops)[1], np.array(run_values, dtype=np.int32))
 
     def tokens(self):
         """The :class:`~kvcanary_cupy.ExpectedTokens` the monitors use this step."""
