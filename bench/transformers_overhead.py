@@ -100,35 +100,23 @@ class DeviceTimer:
 
 
 class HostSplit:
-    """Host time of the monitors' own calls made inside the watch's hooks (bench instrumentation):
-    the rest of the watch's host time is the adapter's (tables, staging, bookkeeping)."""
+    """Host time of the monitors' own calls while a run is watched (bench instrumentation): every
+    monitor call of a run comes from the watch's hooks, so the rest of the watch's host time
+    is the adapter's (tables, staging, bookkeeping)."""
 
     MONITOR_CALLS = ("before_forward", "after_forward", "poll", "export_slots", "import_slots", "sweep")
 
     def __init__(self):
         self.seconds = 0.0
-        self._inside = 0
         self._saved = {}
 
     def __enter__(self):
-        from kvcanary_cupy.integrations.transformers.engine import EngineCanary  # noqa: PLC0415
         from kvcanary_cupy.monitor import KvCanary  # noqa: PLC0415
 
-        self._saved = {(EngineCanary, "_run"): EngineCanary._run}
-        self._saved.update({(KvCanary, n): getattr(KvCanary, n) for n in self.MONITOR_CALLS})
-        run = EngineCanary._run
-
-        def hook(eng, fn, *args):
-            self._inside += 1
-            try:
-                return run(eng, fn, *args)
-            finally:
-                self._inside -= 1
+        self._saved = {n: getattr(KvCanary, n) for n in self.MONITOR_CALLS}
 
         def timed(fn):
             def call(mon, *args, **kwargs):
-                if not self._inside:
-                    return fn(mon, *args, **kwargs)
                 t0 = time.perf_counter()
                 try:
                     return fn(mon, *args, **kwargs)
@@ -136,14 +124,15 @@ class HostSplit:
                     self.seconds += time.perf_counter() - t0
             return call
 
-        EngineCanary._run = hook
-        for n in self.MONITOR_CALLS:
-            setattr(KvCanary, n, timed(getattr(KvCanary, n)))
+        for n, fn in self._saved.items():
+            setattr(KvCanary, n, timed(fn))
         return self
 
     def __exit__(self, *exc):
-        for (cls, n), fn in self._saved.items():
-            setattr(cls, n, fn)
+        from kvcanary_cupy.monitor import KvCanary  # noqa: PLC0415
+
+        for n, fn in self._saved.items():
+            setattr(KvCanary, n, fn)
         return False
 
 
