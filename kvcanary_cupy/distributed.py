@@ -107,7 +107,9 @@ class Agreement:
             tensor-parallel group (e.g. ``torch.distributed.group.WORLD``): NCCL for a
             monitor on CUDA, gloo for one on the CPU.
         device: the monitor's device.
-        log: the monitor's :class:`~kvcanary_cupy.ViolationLog`.
+        log: the monitor's :class:`~kvcanary_cupy.ViolationLog`, whose head is ``send[1]``.
+        send: int64 ``[2]`` from :meth:`allocate_send`: the collective sends it,
+            ``[digest, log head]``.
         keepalive: holds descriptor tables dropped while queued work may read them.
 
     Attributes:
