@@ -54,43 +54,61 @@ def decode_rate(results) -> tuple[float, int]:
     return (n / (end - start) if end > start else 0.0), n
 
 
-class DeviceTimer:
-    """CUDA events around the canary's launches on the engine's compute stream (bench instrumentation)."""
+class _Wrapped:
+    """Wraps some methods of a class for the length of a ``with`` block (bench instrumentation):
+    subclasses name the class and the methods, and say how to wrap one."""
 
-    def __init__(self):
-        self.pairs = []
-        self._saved = None
+    NAMES: tuple = ()
+
+    @staticmethod
+    def owner():
+        raise NotImplementedError
+
+    def wrap(self, fn):
+        raise NotImplementedError
 
     def __enter__(self):
-        import torch  # noqa: PLC0415
-
-        from kvcanary_cupy.integrations.transformers.engine import EngineCanary  # noqa: PLC0415
-
-        self._saved = {n: getattr(EngineCanary, n) for n in ("before_step", "after_forward", "poll")}
-
-        def timed(fn):
-            def run(eng, *args):
-                if eng.stream is None:
-                    return fn(eng, *args)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record(eng.stream)
-                try:
-                    return fn(eng, *args)
-                finally:
-                    b.record(eng.stream)
-                    self.pairs.append((a, b))
-            return run
-
+        cls = self.owner()
+        self._saved = {n: getattr(cls, n) for n in self.NAMES}
         for n, fn in self._saved.items():
-            setattr(EngineCanary, n, timed(fn))
+            setattr(cls, n, self.wrap(fn))
         return self
 
     def __exit__(self, *exc):
+        cls = self.owner()
+        for n, fn in self._saved.items():
+            setattr(cls, n, fn)
+        return False
+
+
+class DeviceTimer(_Wrapped):
+    """CUDA events around the canary's launches on the engine's compute stream."""
+
+    NAMES = ("before_step", "after_forward", "poll")
+
+    def __init__(self):
+        self.pairs = []
+
+    @staticmethod
+    def owner():
         from kvcanary_cupy.integrations.transformers.engine import EngineCanary  # noqa: PLC0415
 
-        for n, fn in self._saved.items():
-            setattr(EngineCanary, n, fn)
-        return False
+        return EngineCanary
+
+    def wrap(self, fn):
+        import torch  # noqa: PLC0415
+
+        def run(eng, *args):
+            if eng.stream is None:
+                return fn(eng, *args)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(eng.stream)
+            try:
+                return fn(eng, *args)
+            finally:
+                b.record(eng.stream)
+                self.pairs.append((a, b))
+        return run
 
     def total_ms(self) -> float:
         import torch  # noqa: PLC0415
@@ -99,41 +117,30 @@ class DeviceTimer:
         return sum(a.elapsed_time(b) for a, b in self.pairs)
 
 
-class HostSplit:
-    """Host time of the monitors' own calls while a run is watched (bench instrumentation): every
-    monitor call of a run comes from the watch's hooks, so the rest of the watch's host time
-    is the adapter's (tables, staging, bookkeeping)."""
+class HostSplit(_Wrapped):
+    """Host time of the monitors' own calls while a run is watched: every monitor call of a run
+    comes from the watch's hooks, so the rest of the watch's host time is the adapter's
+    (tables, staging, bookkeeping)."""
 
-    MONITOR_CALLS = ("before_forward", "after_forward", "poll", "export_slots", "import_slots", "sweep")
+    NAMES = ("before_forward", "after_forward", "poll", "export_slots", "import_slots", "sweep")
 
     def __init__(self):
         self.seconds = 0.0
-        self._saved = {}
 
-    def __enter__(self):
+    @staticmethod
+    def owner():
         from kvcanary_cupy.monitor import KvCanary  # noqa: PLC0415
 
-        self._saved = {n: getattr(KvCanary, n) for n in self.MONITOR_CALLS}
+        return KvCanary
 
-        def timed(fn):
-            def call(mon, *args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return fn(mon, *args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - t0
-            return call
-
-        for n, fn in self._saved.items():
-            setattr(KvCanary, n, timed(fn))
-        return self
-
-    def __exit__(self, *exc):
-        from kvcanary_cupy.monitor import KvCanary  # noqa: PLC0415
-
-        for n, fn in self._saved.items():
-            setattr(KvCanary, n, fn)
-        return False
+    def wrap(self, fn):
+        def call(mon, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(mon, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return call
 
 
 def one_run(model, prompts, gen, config, *, canary: bool, device: str):
