@@ -37,3 +37,42 @@ __global__ void __launch_bounds__(256) scatter_expected_tokens(ScatterArgs a) {
 }
 
 }  // namespace kvc
+
+// ---------------------------------------------------------------------------------
+// apply_updates: a batch of changes a host prepared for device arrays, applied in one
+// launch that reads them in place from pinned host memory (mapped into the device's
+// address space under unified addressing), so they need no copy call first: words
+// [0, copy_words) go to `copy_to` with `shift` added (`words` may be device memory
+// too), then update k sets element index[k] of target t to value[k], where target t
+// takes updates [end[t - 1], end[t]) (end[-1] = 0). An index outside its target is
+// skipped, never written.
+namespace kvc {
+
+inline constexpr int MAX_UPDATE_TARGETS = 4;
+
+struct UpdateArgs {
+    const i64* words;   // host: copy_words words to copy
+    i64* copy_to;       // device: [copy_words]
+    i64 copy_words;
+    i64 shift;
+    const i64* index;   // host: [count] element indices
+    const int* value;   // host: [count] values
+    i64 count;
+    int* target[MAX_UPDATE_TARGETS];  // device int32 arrays (flat)
+    i64 target_len[MAX_UPDATE_TARGETS];
+    i64 end[MAX_UPDATE_TARGETS];  // cumulative update counts
+};
+
+__global__ void __launch_bounds__(256) apply_updates(UpdateArgs a) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (i64 i = first; i < a.copy_words; i += stride) a.copy_to[i] = a.words[i] + a.shift;
+    for (i64 k = first; k < a.count; k += stride) {
+        int t = 0;
+        while (t < MAX_UPDATE_TARGETS - 1 && k >= a.end[t]) ++t;
+        const i64 j = a.index[k];
+        if (k < a.end[t] && j >= 0 && j < a.target_len[t]) a.target[t][j] = a.value[k];
+    }
+}
+
+}  // namespace kvc

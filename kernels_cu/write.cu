@@ -470,17 +470,29 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
         digest_block(step.d, 0, 1);
         return;
     }
+    // Rows by round: in round k, warp w of block b takes row b + blocks * (w + warps_per_block * k),
+    // so consecutive rows (a prefill's long ones) land in different blocks. The first
+    // round's plan words are loaded before the row count is known: both loads in flight at once.
+    const unsigned lane = lane_id(), warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    i64 r = (i64)blockIdx.x + (i64)blocks * warp;
+    i64 o0 = 0, o1 = 0, seed = -1;
+    if (r < a.max_batch) {
+        o0 = a.offsets[r];
+        o1 = a.offsets[r + 1];
+        seed = a.seeds[r];
+    }
     const i64 planned_rows = *a.num_rows;  // < 0: the plan was never planned
     i64 nrows = planned_rows;
     if (nrows > a.max_batch) nrows = a.max_batch;
     if (nrows < 0) nrows = 0;
     const bool check_pos = *a.position_check != 0;
-    const unsigned lane = lane_id();
     const i64 warp0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const i64 warps = ((i64)blocks * blockDim.x) >> 5;
     const i64 N = a.num_slots;
 
-    i64 written = 0, skipped = 0;  // the same in every lane of a warp
+    __shared__ u64 s_counts[2];  // the block's slots written and tokens skipped
+    __shared__ i64 s_long[MAX_WARPS];  // a round's long rows (scan chain), one per warp or -1
+    if (threadIdx.x < 2) s_counts[threadIdx.x] = 0;
     if constexpr (kScan) {
         ScanShared& sh = scan_shared();
         for (int k = threadIdx.x; a.avail > WARP_ROW_MAX && k < DEDUPE_SLOTS; k += blockDim.x) {
@@ -488,40 +500,37 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
             sh.last[k] = -1;
         }
         if (threadIdx.x < 33) sh.pow[threadIdx.x] = MUL_POW[threadIdx.x];
-        __syncthreads();
     }
-    for (i64 r = warp0; r < nrows; r += warps) {
-        const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1], seed = a.seeds[r];
-        if (!row_ok(a, r, o0, o1, seed, true)) continue;
-        if (!kScan) chain_row<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
-        else if (o1 - o0 <= WARP_ROW_MAX) scan_row_warp<kFp>(a, r, o0, o1, seed, check_pos, scan_shared().pow, written,
-                                                             skipped);
-    }
-    // The long rows, a block each (their span and seed were reported above); a row is
-    // no longer than the inputs, so short inputs (a decode step) have none.
-    if constexpr (kScan) if (a.avail > WARP_ROW_MAX) {
-        ScanShared& sh = scan_shared();
-        // The block's rows r = blockIdx.x + k blocks, a thread each per round: one
-        // round of loads finds the long ones, which the block then takes one by one.
-        __shared__ int s_next;
-        const i64 stride = (i64)blocks * blockDim.x;
-        for (i64 r0 = blockIdx.x; r0 < nrows; r0 += stride) {
-            const i64 r = r0 + (i64)threadIdx.x * blocks;
-            bool is_long = false;
-            if (r < nrows) {
-                const i64 o0 = a.offsets[r], o1 = a.offsets[r + 1];
-                is_long = row_ok(a, r, o0, o1, a.seeds[r], false) && o1 - o0 > WARP_ROW_MAX;
+    __syncthreads();
+
+    i64 written = 0, skipped = 0;  // the same in every lane of a warp
+    // A row is no longer than the inputs, so short inputs (a decode step) have no long rows
+    // and no block-wide step.
+    const bool long_rows = kScan && a.avail > WARP_ROW_MAX;
+    const i64 per_round = (i64)blocks * nwarps;
+    const i64 rounds = (nrows + per_round - 1) / per_round;  // the same in every thread of the block
+    for (i64 k = 0; k < rounds; ++k, r += per_round) {
+        if (k > 0 && r < nrows) {
+            o0 = a.offsets[r];
+            o1 = a.offsets[r + 1];
+            seed = a.seeds[r];
+        }
+        bool is_long = false;
+        if (r < nrows && row_ok(a, r, o0, o1, seed, true)) {
+            if (!kScan) chain_row<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
+            else if (o1 - o0 <= WARP_ROW_MAX) scan_row_warp<kFp>(a, r, o0, o1, seed, check_pos, scan_shared().pow,
+                                                                 written, skipped);
+            else is_long = true;
+        }
+        if (long_rows) {  // the round's long rows, one after another, each by the whole block
+            if (lane == 0) s_long[warp] = is_long ? r : -1;
+            __syncthreads();
+            for (unsigned w = 0; w < nwarps; ++w) {
+                const i64 rl = s_long[w];
+                if (rl >= 0) scan_row_block<kFp>(a, rl, a.offsets[rl], a.offsets[rl + 1], a.seeds[rl], check_pos,
+                                                 scan_shared(), written, skipped);
             }
-            while (__syncthreads_or(is_long)) {
-                if (threadIdx.x == 0) s_next = blockDim.x;
-                __syncthreads();
-                if (is_long) atomicMin(&s_next, (int)threadIdx.x);
-                __syncthreads();
-                const i64 rl = r0 + (i64)s_next * blocks;
-                if ((int)threadIdx.x == s_next) is_long = false;
-                scan_row_block<kFp>(a, rl, a.offsets[rl], a.offsets[rl + 1], a.seeds[rl], check_pos, sh, written,
-                                    skipped);
-            }
+            __syncthreads();  // s_long is written again next round
         }
     }
 
@@ -554,8 +563,12 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
         }
     }
 
-    if (lane == 0 && written != 0) atomicAdd((u64*)(a.counters + CTR_SLOTS_WRITTEN), (u64)written);
-    if (lane == 0 && skipped != 0) atomicAdd((u64*)(a.counters + CTR_TOKENS_SKIPPED), (u64)skipped);
+    // The counters: the block's warps add in shared memory, one atomic per counter per block.
+    if (lane == 0 && written != 0) atomicAdd(&s_counts[0], (u64)written);
+    if (lane == 0 && skipped != 0) atomicAdd(&s_counts[1], (u64)skipped);
+    __syncthreads();
+    if (threadIdx.x == 0 && s_counts[0] != 0) atomicAdd((u64*)(a.counters + CTR_SLOTS_WRITTEN), s_counts[0]);
+    if (threadIdx.x == 0 && s_counts[1] != 0) atomicAdd((u64*)(a.counters + CTR_TOKENS_SKIPPED), s_counts[1]);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         atomicAdd((u64*)(a.counters + CTR_KERNEL_RUNS), 1ULL);
         // A write plan that was never planned writes nothing: count it, so it shows.

@@ -286,40 +286,103 @@ def put(dst, src, ptr=None) -> None:
 class HostReader:
     """Reads small int64 device arrays on the host without stalling the stream.
 
-    On the CPU :meth:`read_now` and :meth:`poll` return the arrays themselves. On
-    CUDA :meth:`poll` returns what the copy queued by the previous poll found (or
-    ``None`` the first time) and queues the next copy into pinned memory.
+    On the CPU :meth:`read_now` and :meth:`poll` return copies of the arrays. On CUDA
+    :meth:`poll` returns what the copy queued by the previous poll found (or ``None``
+    when none is queued) and queues the next copy into pinned memory: one
+    ``cudaMemcpyAsync`` per array or requested row range (one for all the arrays when they
+    are views of one allocation), no CuPy array work on the way. Two pinned sets alternate, so what a poll returns are views of the set the
+    copy landed in, valid until the next poll (which queues into the other set).
     """
 
     def __init__(self, device: str, sources: list):
         self.device = device
         self.sources = list(sources)
-        self._pinned = None
-        self._event = None
-        self._staged = False
+        self._sets = None  # two lists of pinned NumPy arrays shaped like the sources
+        self._span = None  # (device address, bytes) covering every source, when one copy moves them all
+        self._span_dst = None  # per set, the pinned address the span lands at
+        self._dev = None
+        self._events = None
+        self._next = 0  # the set the next copy goes to
+        self._staged = None  # (set, row ranges) of the queued copy
 
     def read_now(self) -> list[np.ndarray]:
         """Current values (synchronizes on CUDA)."""
         return [np.array(to_host(a)) for a in self.sources]
 
-    def poll(self, ptr=None):
-        if is_cpu(self.device):
-            return [np.array(a) for a in self.sources]
-        cp = cupy()
-        found = None
-        if self._staged:
-            self._event.synchronize()
-            found = [np.array(p) for p in self._pinned]
-        if self._pinned is None:
-            self._pinned = [np.frombuffer(cp.cuda.alloc_pinned_memory(max(a.nbytes, 8)), a.dtype, a.size)
-                            .reshape(a.shape) for a in self.sources]
-            self._event = cp.cuda.Event(disable_timing=True)
-        s = cupy_stream(int(ptr), device_index(self.device)) if ptr is not None else cp.cuda.get_current_stream()
-        for a, p in zip(self.sources, self._pinned):
-            a.get(stream=s, out=p, blocking=False)  # CuPy's default would block the host
-        self._event.record(s)
-        self._staged = True
+    def poll(self, ptr=None, *, queue_next: bool = True):
+        """What the queued copy found (None if none), then, with ``queue_next``, queue the next
+        copy on ``ptr``. ``queue_next=False`` is for a caller that queues its copy right
+        after its launches and reads it after its own synchronization (one copy per step)."""
+        found = self.take()
+        if queue_next:
+            self.queue(ptr)
         return found
 
+    def take(self):
+        """What the queued copy found (waiting for it), or None when none is queued; on the
+        CPU, copies of the arrays now."""
+        if is_cpu(self.device):
+            return [np.array(a) for a in self.sources]
+        if self._staged is None:
+            return None
+        k, got = self._staged
+        self._staged = None
+        self._events[k].synchronize()
+        return [p[r0:r1] for p, (r0, r1) in zip(self._sets[k], got)]
+
+    def queue(self, ptr=None, rows=None) -> None:
+        """Queue a copy of the arrays on stream ``ptr`` (nothing on the CPU). ``rows``: per
+        source, a ``(start, stop)`` range along its first axis to copy (None: all of it);
+        :meth:`take` then returns those ranges. Sources that are views of one allocation,
+        copied whole, travel in one copy of the span they cover."""
+        if is_cpu(self.device):
+            return
+        cp = cupy()
+        rt = cp.cuda.runtime
+        if self._sets is None:
+            self._allocate(cp)
+        k = self._next
+        self._next ^= 1
+        stream = int(ptr) if ptr is not None else cp.cuda.get_current_stream().ptr
+        ranges = [(0, int(a.shape[0])) if r is None else r
+                  for a, r in zip(self.sources, rows or [None] * len(self.sources))]
+        if rows is None and self._span is not None:
+            copies = [(self._span_dst[k], self._span[0], self._span[1])]
+        else:
+            copies = [(p.ctypes.data + r0 * a.strides[0], a.data.ptr + r0 * a.strides[0], (r1 - r0) * a.strides[0])
+                      for a, p, (r0, r1) in zip(self.sources, self._sets[k], ranges) if r1 > r0]
+        prev = rt.getDevice()
+        if prev != self._dev:
+            rt.setDevice(self._dev)
+        try:
+            for dst, src, n in copies:
+                rt.memcpyAsync(dst, src, n, rt.memcpyDeviceToHost, stream)
+            rt.eventRecord(self._events[k].ptr, stream)
+        finally:
+            if prev != self._dev:
+                rt.setDevice(prev)
+        self._staged = (k, ranges)
+
+    def _allocate(self, cp) -> None:
+        """Two pinned sets shaped like the sources (one buffer per set over their span when they
+        are views of one allocation), and an event per set."""
+        self._dev = device_index(self.device)
+        lo = min(a.data.ptr for a in self.sources)
+        hi = max(a.data.ptr + a.nbytes for a in self.sources)
+        one = len({id(a.data.mem) for a in self.sources}) == 1 and all(a.flags.c_contiguous for a in self.sources)
+        self._span = (lo, hi - lo) if one else None
+        self._sets, self._span_dst = [], []
+        with cp.cuda.Device(self._dev):
+            for _ in range(2):
+                if one:
+                    buf = np.frombuffer(cp.cuda.alloc_pinned_memory(max(hi - lo, 8)), np.uint8, max(hi - lo, 8))
+                    self._span_dst.append(buf.ctypes.data)
+                    self._sets.append([buf[a.data.ptr - lo:a.data.ptr - lo + a.nbytes].view(a.dtype).reshape(a.shape)
+                                       for a in self.sources])
+                else:
+                    self._sets.append([np.frombuffer(cp.cuda.alloc_pinned_memory(max(a.nbytes, 8)), a.dtype, a.size)
+                                       .reshape(a.shape) for a in self.sources])
+            self._events = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+
     def reset(self) -> None:
-        self._staged = False
+        self._staged = None

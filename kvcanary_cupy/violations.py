@@ -7,6 +7,10 @@ import numpy as np
 
 from . import arrays, runtime, scalars
 from .runtime import HostReader, on_stream
+
+# Ring rows a poll's copy holds beyond the rows already returned (a clean step logs none;
+# a burst beyond them is read at once).
+POLL_WINDOW = 256
 from .format import (COUNTER_NAMES, NUM_COUNTERS, VIOLATION_COLUMNS, VIOLATION_WORDS, FailReason,
                      LaunchTag)
 
@@ -154,20 +158,24 @@ class ViolationLog:
         arrays.check_disjoint("ViolationLog", {"ring": self.ring, "head": self.head, "counters": self.counter_array})
         self._polled = 0  # rows already handed out by poll()
         self._reader = None  # HostReader of (head, ring), made on the first poll
+        self._window_start = 0  # the first ring row the queued copy holds
 
     @classmethod
-    def allocate(cls, *, capacity: int, device: str = "cpu", head=None) -> "ViolationLog":
-        """A zeroed log of ``capacity`` rows. ``head``: an optional int64 ``[1]`` array on
-        ``device`` to use as the head (zeroed here), e.g. a word of a buffer a collective
-        sends, so that the head travels without a copy."""
+    def allocate(cls, *, capacity: int, device: str = "cpu", head=None, counters=None) -> "ViolationLog":
+        """A zeroed log of ``capacity`` rows. ``head`` / ``counters``: optional int64 ``[1]`` /
+        ``[6]`` arrays on ``device`` to use (zeroed here), e.g. a word of a buffer a collective
+        sends, so that the head travels without a copy, or views of a block polled in one copy."""
         capacity = scalars.check_int(capacity, "capacity", minimum=1)
-        if head is None:
-            head = runtime.empty((1,), np.int64, device, fill=0)
-        else:
-            head = arrays.as_array(head, "head", dtypes=arrays.INT64, ndim=1, device=device, writable=True)
-            head.fill(0)
-        return cls(runtime.empty((capacity, VIOLATION_WORDS), np.int64, device, fill=0), head,
-                   runtime.empty((NUM_COUNTERS,), np.int64, device, fill=0))
+
+        def given_or_new(a, name, n):
+            if a is None:
+                return runtime.empty((n,), np.int64, device, fill=0)
+            a = arrays.as_array(a, name, dtypes=arrays.INT64, ndim=1, device=device, writable=True)
+            a.fill(0)
+            return a
+
+        return cls(runtime.empty((capacity, VIOLATION_WORDS), np.int64, device, fill=0),
+                   given_or_new(head, "head", 1), given_or_new(counters, "counters", NUM_COUNTERS))
 
     @classmethod
     def from_buffers(cls, *, ring, head, counters) -> "ViolationLog":
@@ -216,22 +224,39 @@ class ViolationLog:
         """Every row held, decoded, in ring order; consumes nothing (synchronizes)."""
         return [Violation.from_row(r) for r in self.rows()]
 
-    def poll(self, stream=None) -> list[Violation]:
+    def poll(self, stream=None, *, queue_next: bool = True) -> list[Violation]:
         """The rows appended since the previous poll, without stalling the stream.
 
         On CUDA the rows are those a pinned copy, queued by the previous poll, found one
         step earlier; this call waits only for that copy (long done in a running
-        engine) and queues the next one on ``stream``. On the CPU it reads directly.
+        engine) and queues the next one on ``stream`` (none with ``queue_next=False``:
+        for a caller that polls right after its launches, then again, with
+        ``queue_next=False``, after its own synchronization). The copy holds the head and
+        the next ``POLL_WINDOW`` rows of the ring; rows beyond them, a burst, are read at
+        once (synchronizing). On the CPU it reads directly.
         """
         if self._reader is None:
             self._reader = HostReader(self.device, [self.head, self.ring])
-        staged = self._reader.poll(None if isinstance(self.ring, np.ndarray) else runtime.resolve_stream(stream, ()))
-        if staged is None:
-            return []
-        head, ring = staged
-        end = min(int(head[0]), self.capacity)
-        out = [Violation.from_row(r) for r in ring[self._polled:end]]
-        self._polled = max(self._polled, end)
+        if isinstance(self.ring, np.ndarray):
+            head, ring = self._reader.take()
+            end = min(int(head[0]), self.capacity)
+            rows = ring[self._polled:end]
+        else:
+            staged = self._reader.take()
+            rows = []
+            if staged is not None:
+                head, window = staged
+                start = self._window_start
+                end = min(int(head[0]), self.capacity)
+                rows = window[:max(0, end - start)]  # rows start.. of the ring
+                if end > start + len(rows):  # a burst beyond the window
+                    rows = np.concatenate([rows, runtime.to_host(self.ring[start + len(rows):end])])
+            if queue_next:
+                self._window_start = start = self._polled + len(rows)
+                self._reader.queue(runtime.resolve_stream(stream, ()),
+                                   rows=[None, (start, min(start + POLL_WINDOW, self.capacity))])
+        out = [Violation.from_row(r) for r in rows]
+        self._polled += len(out)
         return out
 
     def clear(self, stream=None) -> None:

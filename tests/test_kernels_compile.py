@@ -149,8 +149,21 @@ def _struct_fields(file: str, struct: str) -> tuple:
         if not decl:
             continue
         m = re.match(r"(?:const\s+)?\w+\*?\s+(.*)$", decl, re.S)
-        names += [n.strip().lstrip("*") for n in m.group(1).split(",")]
+        for n in m.group(1).split(","):
+            n = n.strip().lstrip("*")
+            array = re.match(r"(\w+)\[(\w+)\]$", n)  # an array of N words: fields name0 .. name{N-1}
+            names += [n] if array is None else [f"{array.group(1)}{i}" for i in range(_constant(file, array.group(2)))]
     return tuple(names)
+
+
+def _constant(file: str, name: str) -> int:
+    """An ``inline constexpr int`` of a kernel file."""
+    (value,) = re.findall(rf"\b{name} = (\d+);", (cuda_sources.kernels_dir() / file).read_text())
+    return int(value)
+
+
+def test_update_targets_match_backend():
+    assert _constant("scatter.cu", "MAX_UPDATE_TARGETS") == cuda_backend.MAX_UPDATE_TARGETS
 
 
 @pytest.mark.parametrize("file,struct,fields", [
@@ -159,6 +172,7 @@ def _struct_fields(file: str, struct: str) -> tuple:
     ("write.cu", "WriteArgs", cuda_backend.WRITE_FIELDS),
     ("verify.cu", "VerifyArgs", cuda_backend.VERIFY_FIELDS),
     ("scatter.cu", "ScatterArgs", cuda_backend.SCATTER_FIELDS),
+    ("scatter.cu", "UpdateArgs", cuda_backend.UPDATE_FIELDS),
     ("kvcanary_common.cuh", "DigestArgs", cuda_backend.DIGEST_FIELDS),
     ("digest.cu", "AgreeArgs", cuda_backend.AGREE_FIELDS),
 ])

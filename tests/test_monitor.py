@@ -637,6 +637,29 @@ def test_cuda_poll_returns_rows_one_step_late():
     assert first == [] and second and second[0].request == "a"
 
 
+def test_poll_after_the_forward_and_after_the_engine_sync_reads_each_step_once(xp, device):
+    # An engine that synchronizes every step: poll() after the launches queues the copy,
+    # poll(queue_next=False) after the sync reads it; the step's own rows, named.
+    toy = Toy(xp, device)
+    toy.step([1], [3], request_ids=["a"])
+    found = toy.mon.poll()
+    sync(xp)  # the engine's own synchronization
+    assert found + toy.mon.poll(queue_next=False) == []
+    toy.set_entry(1, 1, 70)
+    toy.step([1], [1], request_ids=["b"])
+    found = toy.mon.poll()
+    assert found == [] or device == "cpu"  # on CUDA nothing was queued before: the copy is queued now
+    sync(xp)
+    found += toy.mon.poll(queue_next=False)
+    assert found and {v.request for v in found} == {"b"}
+    assert toy.mon.poll(queue_next=False) == []
+    toy.step([1], [1], request_ids=["c"])
+    found = toy.mon.poll()
+    sync(xp)
+    found += toy.mon.poll(queue_next=False)
+    assert found and {v.request for v in found} == {"c"}  # the corrupt entry is read again
+
+
 @pytest.mark.parametrize("verify_after", [False, True])
 def test_no_warning_on_clean_runs(xp, device, chain_kind, verify_after):
     toy = Toy(xp, device, kv=True, swa_window=4, expected=True, verify_after=verify_after, chain=chain_kind)

@@ -633,6 +633,39 @@ def test_ring_overflow_order_poll_clear(xp, device):
     assert drain(e.log) == [21]
 
 
+def test_poll_hands_out_a_burst_beyond_its_copy_window_once_in_order(xp, device):
+    # 700 unstamped entries: 700 rows in one verify, more than a poll's copy holds.
+    n = 700
+    table = np.zeros((2, n), dtype=np.int32)
+    table[1] = np.arange(1, n + 1)
+    e = Env(xp, device, num_slots=n + 1, capacity=n, log_capacity=2 * n, table=table)
+    e.plan([1], [n], [0])
+    e.verify(tag=31)
+    got = e.log.poll() + e.log.poll()
+    assert len(got) == n and e.log.count == n
+    assert [(v.tag, v.slot) for v in got] == [(v.tag, v.slot) for v in e.log.read()]  # ring order, each once
+    e.verify(tag=32)
+    assert [v.tag for v in e.log.poll() + e.log.poll()] == [32] * n
+    assert e.log.poll() + e.log.poll() == []
+
+
+def test_poll_queue_next_false_reads_the_copy_an_earlier_poll_queued(xp, device):
+    e = env(xp, device)
+    prefill(e, 1, 2, ROW1, TOK1)
+    e.canary.records[ROW1[1], 1] = 50
+    e.plan([1], [2], [0])
+    e.verify(tag=41)
+    first = e.log.poll()  # on CUDA: queues the copy after the verify, nothing was queued before
+    if device != "cpu":
+        assert first == []
+        xp.cuda.Device().synchronize()  # what an engine's own sync does
+    got = first + e.log.poll(queue_next=False)
+    assert [v.tag for v in got] == [41]
+    assert e.log.poll(queue_next=False) == []  # nothing queued: nothing more to read
+    e.verify(tag=42)
+    assert [v.tag for v in e.log.poll() + e.log.poll()] == [42]
+
+
 def test_counters(xp, device):
     e = env(xp, device)
     zero = dict(kernel_runs=0, slots_checked=0, slots_written=0, verifies_skipped=0, writes_skipped=0,

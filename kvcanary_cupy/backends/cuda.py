@@ -62,6 +62,9 @@ CHECK_FIELDS = (
     "sample_state", "period", "digest",
 )
 SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths")
+MAX_UPDATE_TARGETS = 4  # scatter.cu
+UPDATE_FIELDS = (("words", "copy_to", "copy_words", "shift", "index", "value", "count")
+                 + tuple(f"{f}{t}" for f in ("target", "target_len", "end") for t in range(MAX_UPDATE_TARGETS)))
 DIGEST_FIELDS = ("descs", "num_descs", "out", "state", "carry", "carry_words")
 # write_tokens' argument (write.cu WriteStepArgs): WRITE_FIELDS, then a digest's (all 0: none).
 WRITE_STEP_FIELDS = WRITE_FIELDS + tuple(f"d_{k}" for k in DIGEST_FIELDS)
@@ -409,6 +412,52 @@ def prepare_scatter(table, *, tokens, offsets, req_pool_indices, stream=None) ->
              widths=widths)
     fn = rt.function("scatter", "kvc::scatter_expected_tokens", dev)
     return _Launch(SCATTER_FIELDS, fn, dev, v, max(1, min(bs, rt.sm_count(dev) * 4)))  # a block per row
+
+
+# --- host-built updates -----------------------------------------------------------
+class HostUpdates:
+    """Changes a host prepares in pinned memory for device arrays, applied by one launch
+    that reads them in place (pinned memory is mapped into the device's address space
+    under unified addressing): an engine adapter's per-step rows and table changes for
+    the cost of one kernel launch, with no copy call and no framework op.
+
+    Args:
+        words: address of int64 words (pinned host or device memory) copied to ``copy_to``.
+        copy_to: device address of the int64 words they go to.
+        targets: up to :data:`MAX_UPDATE_TARGETS` ``(device address, length)`` of int32 arrays.
+        device: the CUDA ordinal.
+
+    :meth:`__call__` copies ``copy_words`` words with ``shift`` added, then applies the
+    updates: int64 indices and int32 values at pinned addresses ``index`` and ``value``,
+    ``ends[t]`` the cumulative count through target ``t``; an index outside its target is
+    skipped. The caller keeps the pinned memory unchanged until the launch has run (an
+    event after it).
+    """
+
+    GRID = 8  # blocks (grid-stride): a step's rows and changes are a few thousand words at most
+
+    def __init__(self, *, words: int, copy_to: int, targets=(), device: int):
+        if len(targets) > MAX_UPDATE_TARGETS:
+            raise ValueError(f"kvcanary: targets: at most {MAX_UPDATE_TARGETS}, got {len(targets)}")
+        v = dict(words=words, copy_to=copy_to)
+        for t, (ptr, n) in enumerate(targets):
+            v[f"target{t}"], v[f"target_len{t}"] = ptr, n
+        rt = _runtime()
+        self._launch = _Launch(UPDATE_FIELDS, rt.function("scatter", "kvc::apply_updates", device), device, v,
+                               self.GRID)
+        self._buf, self._at = self._launch.buf, self._launch.index
+
+    def __call__(self, *, copy_words: int, stream: int, shift: int = 0, index: int = 0, value: int = 0,
+                 ends=()) -> None:
+        buf, at = self._buf, self._at
+        buf[at["copy_words"]], buf[at["shift"]] = copy_words, shift
+        buf[at["index"]], buf[at["value"]] = index, value
+        count = 0
+        for t in range(MAX_UPDATE_TARGETS):
+            count = ends[t] if t < len(ends) else count
+            buf[at[f"end{t}"]] = count
+        buf[at["count"]] = count
+        self._launch(stream)
 
 
 # --- tensor-parallel agreement ----------------------------------------------------

@@ -47,7 +47,7 @@ MODULES: dict[str, KernelModule] = {
     "plan": KernelModule("plan.cu", OPTIONS, ("kvc::plan_step", *_instances("kvc::plan_verify_step"))),
     "write": KernelModule("write.cu", OPTIONS, _instances("kvc::write_tokens")),
     "verify": KernelModule("verify.cu", OPTIONS, _instances("kvc::verify_entries")),
-    "scatter": KernelModule("scatter.cu", OPTIONS, ("kvc::scatter_expected_tokens",)),
+    "scatter": KernelModule("scatter.cu", OPTIONS, ("kvc::scatter_expected_tokens", "kvc::apply_updates")),
     "digest": KernelModule("digest.cu", OPTIONS, ("kvc::digest_rows", "kvc::compare_digests")),
 }
 

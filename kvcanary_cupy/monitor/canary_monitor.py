@@ -20,10 +20,10 @@ import numpy as np
 
 from .. import arrays, ops, runtime, scalars, transfer
 from ..canary import CanaryBuffer, RealKvSource
-from ..format import DEFAULT_CHAIN, LaunchTag, RealKvMode, check_chain
+from ..format import DEFAULT_CHAIN, NUM_COUNTERS, LaunchTag, RealKvMode, check_chain
 from ..plans import ExpectedTokens, SwaWindow, VerifyPlan, WritePlan, check_token_offset
 from ..violations import Violation, ViolationLog
-from .group import SwaGroup, main_group, swa_group
+from .group import SCALAR_WORDS, SwaGroup, main_group, swa_group
 from .inputs import StepInputs
 from .lifetime import Keepalive
 from .policy import Reporter, apply_policy, check_policy, stats_dict
@@ -184,12 +184,16 @@ class KvCanary:
             RealKvMode.PARTIAL if srcs else RealKvMode.NONE)
         self.grow_on_overflow = scalars.check_flag(grow_on_overflow, "grow_on_overflow")
         self.verify_after = scalars.check_flag(verify_after, "verify_after")
+        # What every poll reads lives in one block, so one copy moves it: each group's plan
+        # scalars, the log head snapshots, the log's counters.
+        polled = runtime.empty((2 * SCALAR_WORDS + history + NUM_COUNTERS,), np.int64, self.device, fill=0)
         self.main = main_group(num_slots=num_slots, device=self.device, max_batch=self.max_batch, width=width,
                                verify_capacity=verify_capacity, sources=srcs, mode=mode,
-                               sample_period=fingerprint_sample_period, draft=draft, chain=self.chain)
+                               sample_period=fingerprint_sample_period, draft=draft, chain=self.chain,
+                               sc=polled[:SCALAR_WORDS])
         self.swa = None if swa is None else swa_group(swa, device=self.device, max_batch=self.max_batch, width=width,
                                                       mode=mode, sample_period=fingerprint_sample_period,
-                                                      chain=self.chain)
+                                                      chain=self.chain, sc=polled[SCALAR_WORDS:2 * SCALAR_WORDS])
         self.groups = [g for g in (self.main, self.swa) if g is not None]
         for g in self.groups:  # misuse shows here, not in the first step
             g.check_sources()
@@ -199,7 +203,8 @@ class KvCanary:
 
             send = Agreement.allocate_send(self.device)  # its word 1 is the log's head: sent without a copy
         self.log = ViolationLog.allocate(capacity=ring_capacity, device=self.device,
-                                         head=None if send is None else send[1:])
+                                         head=None if send is None else send[1:],
+                                         counters=polled[2 * SCALAR_WORDS + history:])
 
         # --- what a step hands work to ----------------------------------------
         self._keepalive = Keepalive(self.device)
@@ -208,7 +213,8 @@ class KvCanary:
         if self.swa is not None and max_tokens:
             self._swa_map.reserve(max_tokens, self.swa.swa.lut)
         self._sweep = SweepPlanner(budget=sweep_budget, max_chains=sweep_max_chains, device=self.device)
-        self._requests = RequestMap(history=history, device=self.device, log=self.log)
+        self._requests = RequestMap(history=history, device=self.device, log=self.log,
+                                    heads=polled[2 * SCALAR_WORDS:2 * SCALAR_WORDS + history])
         self._reporter = Reporter(g.name for g in self.groups)
         self._agreement = None
         if process_group is not None:
@@ -799,11 +805,15 @@ class KvCanary:
         self._keepalive.hold(records)  # the scatter may run after this call returns
 
     # ------------------------------------------------------------------ results
-    def poll(self, stream=None) -> list[Violation]:
+    def poll(self, stream=None, *, queue_next: bool = True) -> list[Violation]:
         """The violations found since the previous poll, mapped to request ids, after the policy ran.
 
         Never stalls the stream: on CUDA it returns what the copy queued by the
         previous poll found (the rows of the step before) and queues the next copy.
+        An engine that synchronizes its stream every step can see a step's own rows with
+        one copy: ``poll()`` right after ``after_forward`` (it queues the copy), then
+        ``poll(queue_next=False)`` after the engine's synchronization (it reads the copy,
+        long done, and queues nothing). On the CPU every poll reads the current rows.
         Plan overflows and out-of-range plan inputs found in the same copy are
         reported as :class:`KvCanaryWarning` s (and grow the plan, see the class
         docstring). Under ``policy="raise"`` a non-empty result raises instead.
@@ -828,11 +838,11 @@ class KvCanary:
             [('a', 40, 'chain+position')]
         """
         ptr = self._inputs.stream(stream)
-        # On CUDA the rows and scalars returned now were copied at the previous poll.
-        upto_seq, replay_now = self._requests.stage(now=self.device == "cpu")
-        found = self.log.poll(stream=ptr)
-        scal = self._reader.poll(ptr)
-        self._keepalive.polled()
+        # On CUDA the rows and scalars returned now were copied at an earlier poll.
+        upto_seq, replay_now = self._requests.stage(now=self.device == "cpu", queue=queue_next)
+        found = self.log.poll(stream=ptr, queue_next=queue_next)
+        scal = self._reader.poll(ptr, queue_next=queue_next)
+        self._keepalive.polled(waited=scal is not None, queued=queue_next)
         out = []
         if scal is not None:
             n = len(self.groups)

@@ -25,6 +25,7 @@ VERIFY_SCALARS = VerifyPlan.SCALAR_FIELDS
 WRITE_SCALARS = WritePlan.SCALAR_FIELDS
 SCALAR_LAYOUT = tuple(("verify", f) for f in VERIFY_SCALARS) + tuple(("write", f) for f in WRITE_SCALARS)
 _AT = {name: i for i, name in enumerate(SCALAR_LAYOUT)}
+SCALAR_WORDS = len(SCALAR_LAYOUT)
 # Cumulative counters, discarded with warm-up results (end_warmup).
 COUNTERS = (("verify", "input_errors"), ("verify", "overflows"), ("verify", "max_requested"),
             ("write", "input_errors"))
@@ -85,11 +86,13 @@ class Group:
     """One canary buffer with the plans, sources and tags that go with it."""
 
     def __init__(self, name: str, *, num_slots: int, device: str, max_batch: int, capacity: int,
-                 hard_capacity: int, swa: SwaWindow | None, sources, mode, sample_period, tags, chain: str):
+                 hard_capacity: int, swa: SwaWindow | None, sources, mode, sample_period, tags, chain: str,
+                 sc=None):
         self.name = name
         self.device = device
         self.canary = CanaryBuffer.allocate(num_slots=num_slots, device=device, chain=chain)
-        self.sc = runtime.empty((len(SCALAR_LAYOUT),), np.int64, device, fill=0)
+        # The plans' scalars, int64 [SCALAR_WORDS] (a view of the monitor's polled block, or its own).
+        self.sc = runtime.empty((SCALAR_WORDS,), np.int64, device, fill=0) if sc is None else sc
         self._verify_scalars = {f: self._scalar("verify", f) for f in VERIFY_SCALARS}
         write = {f: self._scalar("write", f) for f in WRITE_SCALARS}
         write["position_check"].fill(1)
@@ -193,18 +196,21 @@ class Group:
 
 
 def main_group(*, num_slots: int, device: str, max_batch: int, width: int, verify_capacity, sources, mode,
-               sample_period, draft: bool, chain: str) -> Group:
-    """The full pool's group."""
+               sample_period, draft: bool, chain: str, sc=None) -> Group:
+    """The full pool's group (``sc``: see :class:`Group`)."""
     cap, hard = capacity_rule(verify_capacity, max_batch=max_batch, width=width, num_slots=num_slots,
                               window=None, name="verify_capacity")
     tags = ((LaunchTag.VERIFY_DRAFT, LaunchTag.WRITE_DRAFT, LaunchTag.VERIFY_AFTER) if draft else
             (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.VERIFY_AFTER))
     return Group("main", num_slots=num_slots, device=device, max_batch=max_batch, capacity=cap, hard_capacity=hard,
-                 swa=None, sources=sources, mode=mode, sample_period=sample_period, tags=tags, chain=chain)
+                 swa=None, sources=sources, mode=mode, sample_period=sample_period, tags=tags, chain=chain,
+                 sc=sc)
 
 
-def swa_group(spec: SwaGroup, *, device: str, max_batch: int, width: int, mode, sample_period, chain: str) -> Group:
-    """The sliding-window pool's group, from its :class:`SwaGroup` (``mode``, ``chain``: the monitor's)."""
+def swa_group(spec: SwaGroup, *, device: str, max_batch: int, width: int, mode, sample_period, chain: str,
+              sc=None) -> Group:
+    """The sliding-window pool's group, from its :class:`SwaGroup` (``mode``, ``chain``: the monitor's;
+    ``sc``: see :class:`Group`)."""
     if not isinstance(spec, SwaGroup):
         raise TypeError(f"kvcanary: swa: expected a SwaGroup, got {type(spec).__name__}")
     window = SwaWindow(scalars.check_int(spec.window, "swa.window", minimum=1),
@@ -217,4 +223,4 @@ def swa_group(spec: SwaGroup, *, device: str, max_batch: int, width: int, mode, 
                               window=window.size, name="swa.verify_capacity")
     return Group("swa", num_slots=num_slots, device=device, max_batch=max_batch, capacity=cap, hard_capacity=hard,
                  swa=window, sources=sources, mode=smode, sample_period=sample_period,
-                 tags=(LaunchTag.VERIFY_SWA, LaunchTag.WRITE_SWA, LaunchTag.VERIFY_SWA), chain=chain)
+                 tags=(LaunchTag.VERIFY_SWA, LaunchTag.WRITE_SWA, LaunchTag.VERIFY_SWA), chain=chain, sc=sc)

@@ -18,7 +18,7 @@ _MAX_RETIRED = 2  # rebind generations waiting for their event
 
 
 class Keepalive:
-    """Holds per-call imports until two polls later, and rebind-replaced arrays until an event.
+    """Holds per-call imports until a poll proves the device past them, and rebind-replaced arrays until an event.
 
     Example::
 
@@ -41,7 +41,7 @@ class Keepalive:
 
     def hold(self, obj) -> None:
         """Keep ``obj`` (and so the producer's buffer) alive until the work queued so far is known
-        done: released two polls later (see :meth:`polled`)."""
+        done: released by the poll that waits for the copy queued after it (see :meth:`polled`)."""
         if not self._gpu:
             return
         self._new.append(obj)
@@ -50,10 +50,14 @@ class Keepalive:
             self._new.clear()
             self._old = []
 
-    def polled(self) -> None:
-        """A poll has just waited for the copy queued by the previous poll, which was queued after
-        everything held before it: release those, start holding for the next."""
-        self._old, self._new = self._new, []
+    def polled(self, *, waited: bool, queued: bool) -> None:
+        """After a poll. ``waited``: it waited for the copy queued by an earlier poll, which was
+        queued after everything held before it: release those. ``queued``: it queued a copy,
+        after everything held so far: those are released once a later poll waits for it."""
+        if waited:
+            self._old = []
+        if queued:
+            self._old, self._new = self._old + self._new, []
 
     def retire(self, old, ptr) -> None:
         """Keep arrays replaced by ``rebind`` alive until the work queued on ``ptr`` before the

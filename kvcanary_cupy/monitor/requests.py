@@ -35,12 +35,13 @@ class RequestMap:
         (1, 2)
     """
 
-    def __init__(self, *, history: int, device: str, log: ViolationLog):
+    def __init__(self, *, history: int, device: str, log: ViolationLog, heads=None):
         self.history = history
         self.device = device
         self._cpu = runtime.is_cpu(device)
         self._log = log
-        self.heads = runtime.empty((history,), np.int64, device, fill=0)
+        # The log's head at each sequence's start, int64 [history] (given: a view of the monitor's polled block).
+        self.heads = runtime.empty((history,), np.int64, device, fill=0) if heads is None else heads
         self.seq = 0
         self._min_seq = 1  # snapshots before this were invalidated by a log clear
         self._ids: collections.OrderedDict = collections.OrderedDict()  # seq -> request id per batch row
@@ -111,12 +112,13 @@ class RequestMap:
         self.replays += 1
         self._remember(self._replay_ids, self.replays, request_ids)
 
-    def stage(self, *, now: bool) -> tuple[int, int]:
+    def stage(self, *, now: bool, queue: bool = True) -> tuple[int, int]:
         """For a poll: the newest sequence and replay its rows can come from (``now``: the current
-        ones; else those of the previous poll, whose copy this poll returns), and stage the
-        current ones for the next poll."""
+        ones; else those of the copy queued before, which this poll returns), and, with
+        ``queue``, stage the current ones for the copy this poll queues."""
         out = (self.seq, self.replays) if now else (self._staged_seq, self._staged_replay)
-        self._staged_seq, self._staged_replay = self.seq, self.replays
+        if queue:
+            self._staged_seq, self._staged_replay = self.seq, self.replays
         return out
 
     def map_rows(self, found: list[Violation], heads: np.ndarray, upto_seq: int, replay_now: int) -> list:

@@ -12,9 +12,10 @@ requests, deliver outputs). The adapter wraps, on the engine's instances:
 - ``model_runner.compute_batch``: after the forward is queued, stamp every slot
   the step wrote (``after_forward``, slots from the engine's write index) and
   queue a poll;
-- ``update_batch``: before it, poll again (the engine's sync has completed the
-  previous poll's copy on CUDA): violations of this step are handled before the
-  engine appends the step's tokens or delivers anything;
+- ``update_batch``: before it, read that poll's copy (the engine's sync has
+  completed it on CUDA; nothing more is queued, so a step costs one copy):
+  violations of this step are handled before the engine appends the step's
+  tokens or delivers anything;
 - the offloading manager, ``copy_cache``: records move with blocks
   (:mod:`.moves`);
 - ``mark_shareable_blocks_as_complete`` and the output router: a request the
@@ -25,7 +26,6 @@ Everything the monitors do runs on the engine's compute stream.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import time
 
@@ -121,7 +121,7 @@ class EngineCanary:
         self.groups = build_groups(cache, self.slot_map, rows=rows, max_len=self.max_len, device=self.device)
         self.steps = StepArrays(max_batch=self.max_batch, loc_groups=len(self.groups), device=self.device)
         self.expected = ExpectedTable(rows, min(self.max_len, 256), self.device, self.steps.device_view("valid"))
-        self.upload = None if self.cpu else ChangeUpload(self.device)
+        self.upload = None if self.cpu else ChangeUpload(self.device, self.steps)
 
         kwargs = dict(options.monitor)
         # A step verifies at most max_batch * max_len records (requests sharing a prefix each
@@ -139,6 +139,9 @@ class EngineCanary:
                                   prefix_lens=self.steps.device_view("prefix"),
                                   extend_lens=self.steps.device_view("extend"),
                                   input_ids=io.input_ids, positions=io.position_ids, out_cache_loc=g.loc)
+        # Per group, the launches that put the step's written slots in its loc: from the slots
+        # before_step worked out, or from the engine's write index row (CUDA).
+        self._loc_copies = {} if self.cpu else {g.index: _loc_copies(self, g) for g in self.groups}
         self.moves = RecordMoves(self)
         self.failed: set = set()
         self.step = 0
@@ -203,8 +206,8 @@ class EngineCanary:
 
     def _update_batch_hook(self, orig):
         def update_batch():
-            if self.step:
-                self._run(self.poll)
+            if self.step:  # the engine's sync has completed the copy queued after the forward: read it
+                self._run(self.poll, False)
             return orig()
         return update_batch
 
@@ -266,7 +269,8 @@ class EngineCanary:
         if bs > self.max_batch:
             raise ValueError(f"kvcanary: the engine scheduled {bs} requests, more than its max_requests_per_batch "
                              f"= {self.max_batch} the monitors were sized for")
-        self.steps.wait_reusable()
+        if self.upload is not None:
+            self.upload.wait_reusable()
         states = list(map(_STATE, batch))
         rids = list(map(_REQUEST_ID, states))
         ext = list(map(_QUERY_LENGTH, batch))
@@ -281,10 +285,8 @@ class EngineCanary:
             g.fill(rows, rids, pre, ends)
             if fast:
                 self.steps.loc[g.index][:bs] = g.step_slots(pre)
-        if not self.cpu:
-            with self._on_stream():
-                self.steps.upload()
-                self.upload.flush([g.table for g in self.groups] + [self.expected.table])
+        if not self.cpu:  # one launch: the step rows and every table's changes
+            self.upload.flush([g.table for g in self.groups] + [self.expected.table], stream=self.ptr)
         self.step += 1
         tags = request_tags(rids, self.step)
         exp = self.expected.tokens()
@@ -302,9 +304,8 @@ class EngineCanary:
             if not fast and int(io.true_write_sizes[g.index]) != n:
                 raise ValueError(f"kvcanary: layer group {g.index}: the engine wrote {io.true_write_sizes[g.index]} "
                                  f"slots for {n} tokens")
-        with self._on_stream():  # one stream switch for every group's copy
-            for g in self.groups:
-                self._written_slots(g, n, fast)
+        for g in self.groups:
+            self._written_slots(g, n, fast)
         for g in self.groups:
             g.monitor.after_forward(num_tokens=n, stream=self.ptr)
 
@@ -314,26 +315,20 @@ class EngineCanary:
         self.poll()
 
     def _written_slots(self, g, n: int, fast: bool) -> None:
-        """Put the canary slots of the ``n`` tokens the step wrote in group ``g`` where its monitor reads them."""
-        if fast:  # the slots before_step worked out from the block lists
-            if self.cpu:
+        """Put the canary slots of the ``n`` tokens the step wrote in group ``g`` where its monitor reads them:
+        the slots before_step worked out (decode fast path), else the engine's write index, shifted."""
+        if self.cpu:
+            if fast:
                 g.loc[:n] = self.steps.loc[g.index][:n]
             else:
-                g.loc[:n].copy_(self.steps.device_view(f"loc{g.index}")[:n])
-        elif self.cpu:
-            np.add(self._write_index[g.index, :n], self.slot_map.shift, out=g.loc[:n])
+                np.add(self._write_index[g.index, :n], self.slot_map.shift, out=g.loc[:n])
+            return
+        # One small launch on the compute stream, no framework op: a device copy (with the shift).
+        from_steps, from_index = self._loc_copies[g.index]
+        if fast:
+            from_steps(copy_words=n, stream=self.ptr)
         else:
-            import torch  # noqa: PLC0415
-
-            torch.add(self._write_index[g.index, :n], self.slot_map.shift, out=g.loc[:n])
-
-    def _on_stream(self):
-        """The engine's compute stream made current for torch work (nothing on the CPU)."""
-        if self.cpu:
-            return contextlib.nullcontext()
-        import torch  # noqa: PLC0415
-
-        return torch.cuda.stream(self.stream)
+            from_index(copy_words=n, shift=self.slot_map.shift, stream=self.ptr)
 
     def abort(self) -> None:
         """The forward failed: close the step without stamping."""
@@ -344,11 +339,12 @@ class EngineCanary:
             except ValueError:  # that monitor's step never opened
                 pass
 
-    def poll(self) -> list:
-        """Collect every monitor's violations and hand them to the watch's policy."""
+    def poll(self, queue_next: bool = True) -> list:
+        """Collect every monitor's violations and hand them to the watch's policy (``queue_next``:
+        see :meth:`~kvcanary_cupy.KvCanary.poll`)."""
         out = []
         for g in self.groups:
-            for v in g.monitor.poll(stream=self.ptr):
+            for v in g.monitor.poll(stream=self.ptr, queue_next=queue_next):
                 out.append(EngineViolation.from_row(v, group=g.index, group_type=g.kind, layers=g.layers,
                                                     shift=self.slot_map.shift, engine_rows=self.slot_map.engine_rows))
         if out:
@@ -408,6 +404,16 @@ class EngineCanary:
         self._write_index = None
         self.moves.clear()
         return final
+
+
+def _loc_copies(eng, g) -> tuple:
+    """(from the step rows, from the engine's write index) launches for group ``g``'s loc."""
+    from ...backends.cuda import HostUpdates  # noqa: PLC0415
+
+    dev = int(eng.device.split(":")[1])
+    index = eng._write_index[g.index]
+    return (HostUpdates(words=eng.steps.device_view(f"loc{g.index}").data_ptr(), copy_to=g.loc.data_ptr(), device=dev),
+            HostUpdates(words=index.data_ptr(), copy_to=g.loc.data_ptr(), device=dev))
 
 
 def _torch_zeros(n: int, device: str):

@@ -1,11 +1,10 @@
 """What travels to the device each step: the per-step rows and the request tables' changes.
 
 On the CPU the monitors read host arrays directly and nothing travels. On CUDA the
-host writes pinned buffers and one asynchronous copy per buffer moves them, on the
-engine's compute stream, ordered before the monitors' launches that read them; a
-buffer is written again only once its previous copy is done. The caller makes the
-compute stream current around :meth:`StepArrays.upload` and :meth:`ChangeUpload.flush`
-(one stream switch per step); buffers and events are made once and reused.
+host writes pinned buffers and one kernel launch on the engine's compute stream reads
+them in place, ordered before the monitors' launches that read its results; a buffer
+is written again only once that launch is done (an event after it). Buffers, the
+launch and the event are made once and reused.
 """
 from __future__ import annotations
 
@@ -57,7 +56,6 @@ class StepArrays:
             buf = self._pinned.numpy()
             dev = torch.zeros(n, dtype=torch.int64, device=device)
         self._dev = dev
-        self._event = None
         self.host = {k: buf[i * max_batch:(i + 1) * max_batch] for i, k in enumerate(names)}
         self.loc = [self.host[f"loc{i}"] for i in range(loc_groups)]  # host rows by group index
         self._batch = [memoryview(self.host[k]) for k in _BATCH]
@@ -84,80 +82,126 @@ class StepArrays:
         _write(valid_buf, valid)
         self._last = (rows, extend)
 
-    def wait_reusable(self) -> None:
-        """Before the host writes the next step: the previous upload has left the pinned buffer."""
-        if self._event is not None:
-            self._event.synchronize()
+    @property
+    def pinned_address(self) -> int:
+        """Host address of the pinned rows (CUDA)."""
+        return self._pinned.data_ptr()
 
-    def upload(self) -> None:
-        """Copy the step's rows to the device, on the current (compute) stream (nothing to do on the CPU)."""
-        if self.cpu:
-            return
-        import torch  # noqa: PLC0415
+    @property
+    def device_address(self) -> int:
+        """Device address of the rows the monitors read (CUDA)."""
+        return self._dev.data_ptr()
 
-        self._dev.copy_(self._pinned, non_blocking=True)
-        if self._event is None:
-            self._event = torch.cuda.Event()
-        self._event.record()
+    @property
+    def words(self) -> int:
+        return int(self._dev.numel())
 
 
 class ChangeUpload:
-    """Every table's pending changes in one pinned copy, then one scatter per table.
+    """Every table's pending changes, and the step's rows, onto the device.
 
-    The copy holds the flat indices (int64) of every table's changes, then their values
-    packed as int32 (what the tables hold), so no cast runs on the device. ``device``:
-    where the tables live (``"cuda:N"``; a CPU torch device works too, unpinned, for tests).
+    On CUDA one launch does it all (:class:`~kvcanary_cupy.backends.cuda.HostUpdates`):
+    it reads the step rows and the changes (flat indices int64, values int32) in place
+    from pinned host memory, copies the rows and scatters the changes, so a step costs
+    one kernel launch and no framework op. Elsewhere (a CPU torch device, for tests) one
+    copy and one ``index_copy_`` per table do the same. ``device``: where the tables live.
+    ``steps``: the :class:`StepArrays` whose rows travel with the changes (CUDA only).
     """
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, steps: StepArrays | None = None):
         self.device = device
         self.cuda = str(device).startswith("cuda")
+        self.steps = steps
         self._cap = 0
         self._event = None
+        self._launcher = None  # HostUpdates for the current tables
+        self._targets = None
+
+    def wait_reusable(self) -> None:
+        """Before the host writes the step rows or queues changes: the previous launch has read them."""
+        if self._event is not None:
+            self._event.synchronize()
 
     def _reserve(self, n: int) -> None:
         """Room for ``n`` changes: ``n`` int64 indices and ``n`` int32 values (``ceil(n / 2)`` int64 words)."""
-        import torch  # noqa: PLC0415
-
         if n <= self._cap:
             return
         self._cap = max(2 * n, 4096)
         words = self._cap + (self._cap + 1) // 2
-        self._pinned = torch.empty(words, dtype=torch.int64, pin_memory=self.cuda)
-        self._host = self._pinned.numpy()
-        self._host32 = self._host.view(np.int32)
-        self._dev = torch.empty(words, dtype=torch.int64, device=self.device)
+        if self.cuda:
+            import cupy  # noqa: PLC0415
 
-    def flush(self, tables) -> int:
-        """Apply the pending changes of ``tables`` on the device, on the current stream; returns how many
+            self._host = np.frombuffer(cupy.cuda.alloc_pinned_memory(8 * words), np.int64, words)
+        else:
+            import torch  # noqa: PLC0415
+
+            self._pinned = torch.empty(words, dtype=torch.int64)
+            self._host = self._pinned.numpy()
+            self._dev = torch.empty(words, dtype=torch.int64, device=self.device)
+        self._host32 = self._host.view(np.int32)
+        self._launcher = None
+
+    def flush(self, tables, stream=None) -> int:
+        """Apply the pending changes of ``tables`` (and, on CUDA, copy the step rows) on the
+        device, on ``stream`` (a raw CUDA stream; else the current stream); returns how many
         entries moved."""
         pending = [(t, t.take()) for t in tables if not t.cpu]
         pending = [(t, c) for t, c in pending if c is not None]
         total = sum(len(c[0]) for _, c in pending)
-        if total == 0:
+        if total == 0 and not (self.cuda and self.steps is not None):
             return 0
-        import torch  # noqa: PLC0415
-
-        if self._event is not None:
-            self._event.synchronize()
-        self._reserve(total)
+        self.wait_reusable()
+        self._reserve(max(total, 1))
         at = 0
+        ends = []
         for _, (idx, val) in pending:
             n = len(idx)
             self._host[at:at + n] = idx
-            self._host32[2 * total + at:2 * total + at + n] = val
+            self._host32[2 * self._cap + at:2 * self._cap + at + n] = val
             at += n
+            ends.append(at)
+        if self.cuda:
+            self._launch([t for t, _ in pending], ends, stream)
+        else:
+            self._torch_scatter(pending, total)
+        return total
+
+    def _launch(self, tables, ends, stream) -> None:
+        """One HostUpdates launch on ``stream``: the step rows, then each table's changes."""
+        import cupy  # noqa: PLC0415
+
+        from ...backends.cuda import MAX_UPDATE_TARGETS, HostUpdates  # noqa: PLC0415
+
+        targets = tuple((t.array.data_ptr(), t.array.numel()) for t in tables)
+        if len(targets) > MAX_UPDATE_TARGETS:
+            raise ValueError(f"kvcanary: {len(targets)} tables changed in one step; at most {MAX_UPDATE_TARGETS}")
+        dev = int(self.device.split(":")[1])
+        if self._launcher is None or self._targets != targets:
+            steps = self.steps
+            self._launcher = HostUpdates(words=steps.pinned_address if steps else 0,
+                                         copy_to=steps.device_address if steps else 0, targets=targets, device=dev)
+            self._targets = targets
+            if self._event is None:
+                with cupy.cuda.Device(dev):
+                    self._event = cupy.cuda.Event(disable_timing=True)
+        ptr = int(stream) if stream is not None else cupy.cuda.get_current_stream().ptr
+        base = self._host.ctypes.data
+        self._launcher(copy_words=self.steps.words if self.steps else 0, index=base, value=base + 8 * self._cap,
+                       ends=ends, stream=ptr)
+        cupy.cuda.runtime.eventRecord(self._event.ptr, ptr)
+
+    def _torch_scatter(self, pending, total: int) -> None:
+        """The same with torch ops on the current stream (a non-CUDA torch device)."""
+        import torch  # noqa: PLC0415
+
         words = total + (total + 1) // 2
         dev = self._dev[:words]
-        dev.copy_(self._pinned[:words], non_blocking=True)
-        values = dev[total:].view(torch.int32)  # the int32 values, packed after the indices
+        dev[:total].copy_(self._pinned[:total])
+        vals = self._pinned[self._cap:self._cap + (total + 1) // 2]
+        dev[total:].copy_(vals)
+        values = dev[total:].view(torch.int32)
         at = 0
         for t, (idx, _) in pending:
             n = len(idx)
             t.array.view(-1).index_copy_(0, dev[at:at + n], values[at:at + n])
             at += n
-        if self.cuda:
-            if self._event is None:
-                self._event = torch.cuda.Event()
-            self._event.record()
-        return total
