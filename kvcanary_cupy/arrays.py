@@ -131,7 +131,9 @@ def _from_foreign(obj, name: str):
         try:
             if dev_type == _DL_CPU:
                 return np.from_dlpack(obj)
-            if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED, _DL_CUDA_HOST):
+            if dev_type == _DL_CUDA_HOST:  # pinned host memory (a CPU tensor on a GPU machine): host memory
+                return _host_import(obj)
+            if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
                 if _producer(obj) == "torch" and dev_type == _DL_CUDA:
                     return _torch_cuda_import(obj)
                 if _is_jax(obj):
@@ -154,6 +156,17 @@ def _from_foreign(obj, name: str):
         f"kvcanary: {name}: expected an array with __dlpack__ or __cuda_array_interface__ "
         f"(PyTorch, JAX, CuPy, NumPy), got {type(obj).__name__}"
     )
+
+
+def _host_import(obj):
+    """A NumPy view of pinned host memory: NumPy's DLPack import where it takes that device
+    type, else a PyTorch tensor's own ``numpy()`` (zero copy as well)."""
+    try:
+        return np.from_dlpack(obj)
+    except (BufferError, TypeError, RuntimeError, ValueError):
+        if _producer(obj) != "torch":
+            raise
+        return obj.numpy()
 
 
 def _jax_import(obj):

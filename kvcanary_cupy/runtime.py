@@ -349,8 +349,8 @@ class HostReader:
         if rows is None and self._span is not None:
             copies = [(self._span_dst[k], self._span[0], self._span[1])]
         else:
-            copies = [(p.ctypes.data + r0 * a.strides[0], a.data.ptr + r0 * a.strides[0], (r1 - r0) * a.strides[0])
-                      for a, p, (r0, r1) in zip(self.sources, self._sets[k], ranges) if r1 > r0]
+            copies = [(dst + r0 * a.strides[0], a.data.ptr + r0 * a.strides[0], (r1 - r0) * a.strides[0])
+                      for a, dst, (r0, r1) in zip(self.sources, self._addresses[k], ranges) if r1 > r0]
         prev = rt.getDevice()
         if prev != self._dev:
             rt.setDevice(self._dev)
@@ -383,6 +383,7 @@ class HostReader:
                     self._sets.append([np.frombuffer(cp.cuda.alloc_pinned_memory(max(a.nbytes, 8)), a.dtype, a.size)
                                        .reshape(a.shape) for a in self.sources])
             self._events = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+        self._addresses = [[p.ctypes.data for p in pinned] for pinned in self._sets]  # (.ctypes is slow: once)
 
     def reset(self) -> None:
         self._staged = None

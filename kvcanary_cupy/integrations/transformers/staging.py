@@ -56,6 +56,7 @@ class StepArrays:
             buf = self._pinned.numpy()
             dev = torch.zeros(n, dtype=torch.int64, device=device)
         self._dev = dev
+        self._words = n
         self.host = {k: buf[i * max_batch:(i + 1) * max_batch] for i, k in enumerate(names)}
         self.loc = [self.host[f"loc{i}"] for i in range(loc_groups)]  # host rows by group index
         self._batch = [memoryview(self.host[k]) for k in _BATCH]
@@ -94,7 +95,8 @@ class StepArrays:
 
     @property
     def words(self) -> int:
-        return int(self._dev.numel())
+        """How many int64 words the rows take."""
+        return self._words
 
 
 class ChangeUpload:
@@ -115,7 +117,8 @@ class ChangeUpload:
         self._cap = 0
         self._event = None
         self._launcher = None  # HostUpdates for the current tables
-        self._targets = None
+        self._targets = None  # their arrays' ids
+        self._target_arrays = ()
 
     def wait_reusable(self) -> None:
         """Before the host writes the step rows or queues changes: the previous launch has read them."""
@@ -139,6 +142,7 @@ class ChangeUpload:
             self._host = self._pinned.numpy()
             self._dev = torch.empty(words, dtype=torch.int64, device=self.device)
         self._host32 = self._host.view(np.int32)
+        self._host_address = self._host.ctypes.data
         self._launcher = None
 
     def flush(self, tables, stream=None) -> int:
@@ -170,24 +174,24 @@ class ChangeUpload:
         """One HostUpdates launch on ``stream``: the step rows, then each table's changes."""
         import cupy  # noqa: PLC0415
 
-        from ...backends.cuda import MAX_UPDATE_TARGETS, HostUpdates  # noqa: PLC0415
+        arrays = tuple(t.array for t in tables)
+        if self._launcher is None or self._targets != tuple(map(id, arrays)):
+            from ...backends.cuda import MAX_UPDATE_TARGETS, HostUpdates  # noqa: PLC0415
 
-        targets = tuple((t.array.data_ptr(), t.array.numel()) for t in tables)
-        if len(targets) > MAX_UPDATE_TARGETS:
-            raise ValueError(f"kvcanary: {len(targets)} tables changed in one step; at most {MAX_UPDATE_TARGETS}")
-        dev = int(self.device.split(":")[1])
-        if self._launcher is None or self._targets != targets:
+            if len(arrays) > MAX_UPDATE_TARGETS:
+                raise ValueError(f"kvcanary: {len(arrays)} tables changed in one step; at most {MAX_UPDATE_TARGETS}")
+            dev = int(self.device.split(":")[1])
             steps = self.steps
             self._launcher = HostUpdates(words=steps.pinned_address if steps else 0,
-                                         copy_to=steps.device_address if steps else 0, targets=targets, device=dev)
-            self._targets = targets
+                                         copy_to=steps.device_address if steps else 0,
+                                         targets=[(a.data_ptr(), a.numel()) for a in arrays], device=dev)
+            self._targets, self._target_arrays = tuple(map(id, arrays)), arrays  # held: their ids stay theirs
             if self._event is None:
                 with cupy.cuda.Device(dev):
                     self._event = cupy.cuda.Event(disable_timing=True)
         ptr = int(stream) if stream is not None else cupy.cuda.get_current_stream().ptr
-        base = self._host.ctypes.data
-        self._launcher(copy_words=self.steps.words if self.steps else 0, index=base, value=base + 8 * self._cap,
-                       ends=ends, stream=ptr)
+        self._launcher(copy_words=self.steps.words if self.steps else 0, index=self._host_address,
+                       value=self._host_address + 8 * self._cap, ends=ends, stream=ptr)
         cupy.cuda.runtime.eventRecord(self._event.ptr, ptr)
 
     def _torch_scatter(self, pending, total: int) -> None:
