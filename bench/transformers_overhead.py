@@ -4,9 +4,13 @@
 weights, greedy, at batch 1, 8 and 64: decode tokens/s without and with
 ``kvcanary_cupy.integrations.transformers.watch``, the median of several runs each
 (alternating), the overhead, and the canary's own cost per step: host time (the
-watch's hooks, monitor calls included) and device time (CUDA events on the engine's
-compute stream around the canary's launches). The host time is split: what the monitors'
-own calls take (launches, polls) and the rest, the adapter's (tables, staging, bookkeeping).
+watch's hooks, monitor calls included, timed by the watch itself) and its share of a
+step without the canary. This engine synchronizes the host with the device every
+step, so that host time is added to the step whole: its share is the overhead, free of
+the run-to-run noise of the engine's own step. One more watched run per batch, not
+counted in the throughput (its wrappers cost host time of their own), splits the host
+time into the monitors' own calls and the adapter's (tables, staging, bookkeeping) and
+times the span of the canary's work on the engine's compute stream (CUDA events).
 
     python -m bench.transformers_overhead                       # CUDA (from the top of a checkout)
     python -m bench.transformers_overhead --cuda-graphs         # the engine's CUDA graphs on
@@ -19,6 +23,7 @@ request finishes), over that window. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -143,22 +148,27 @@ class HostSplit(_Wrapped):
         return call
 
 
-def one_run(model, prompts, gen, config, *, canary: bool, device: str):
+def one_run(model, prompts, gen, config, *, canary: bool, device: str, split: bool = False):
+    """(decode tokens/s, tokens counted, canary host us/step, adapter us/step, canary device span us/step,
+    steps) of one ``generate_batch``. Only a ``split`` run wraps the canary's calls to time them (CUDA
+    events, host timers): those wrappers cost host time of their own, so the throughput of a split
+    run is not used."""
     from kvcanary_cupy.integrations.transformers import watch  # noqa: PLC0415
 
     if not canary:
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config,
                                    record_timestamps=True)
         return decode_rate(out) + (None, None, None, None)
-    timer, split = DeviceTimer(), HostSplit()
-    with watch(model, policy="raise") as w, timer, split:
+    timer, hosts = (DeviceTimer(), HostSplit()) if split else (None, None)
+    with watch(model, policy="raise") as w, timer or contextlib.nullcontext(), hosts or contextlib.nullcontext():
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config,
                                    record_timestamps=True)
     s = w.stats()
-    dev_us = 1e3 * timer.total_ms() / s["steps"] if device != "cpu" and s["steps"] else float("nan")
-    adapter_us = 1e6 * (s["host_seconds"] - split.seconds) / s["steps"] if s["steps"] else float("nan")
     if s["violations"]:
         raise RuntimeError(f"the canary found {s['violations']} violations in a clean run")
+    n = s["steps"] or float("nan")
+    dev_us = 1e3 * timer.total_ms() / n if split and device != "cpu" else float("nan")
+    adapter_us = 1e6 * (s["host_seconds"] - hosts.seconds) / n if split else float("nan")
     return decode_rate(out) + (s["host_us_per_step"], adapter_us, dev_us, s["steps"])
 
 
@@ -199,31 +209,32 @@ def main(argv=None) -> int:
                                           **extra)
         one_run(model, prompts, gen, config, canary=False, device=args.device)  # warm-up (allocator, kernels)
         one_run(model, prompts, gen, config, canary=True, device=args.device)
-        plain, watched, host, adapter, dev, steps = [], [], [], [], [], []
+        plain, watched, host = [], [], []
         for _ in range(runs):
             plain.append(one_run(model, prompts, gen, config, canary=False, device=args.device)[0])
-            rate, _, h, a, d, n = one_run(model, prompts, gen, config, canary=True, device=args.device)
+            rate, _, h, _, _, _ = one_run(model, prompts, gen, config, canary=True, device=args.device)
             watched.append(rate)
             host.append(h)
-            adapter.append(a)
-            dev.append(d)
-            steps.append(n)
-            print(f"batch {batch}: {plain[-1]:.1f} / {watched[-1]:.1f} tok/s", file=sys.stderr)
+            print(f"batch {batch}: {plain[-1]:.1f} / {watched[-1]:.1f} tok/s, canary host {h:.0f} us/step",
+                  file=sys.stderr)
+        _, _, _, adapter, dev, _ = one_run(model, prompts, gen, config, canary=True, device=args.device, split=True)
         p, w = statistics.median(plain), statistics.median(watched)
-        rows.append((batch, p, w, 100.0 * (p - w) / p if p else float("nan"), statistics.median(host),
-                     statistics.median(adapter), statistics.median(dev), 1e3 * batch / p if p else float("nan")))
+        step_ms = 1e3 * batch / p if p else float("nan")
+        h = statistics.median(host)
+        rows.append((batch, p, w, 100.0 * (p - w) / p if p else float("nan"), h, 0.1 * h / step_ms, adapter, dev,
+                     step_ms))
 
     cmd = "python -m bench.transformers_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
     model_name = "tiny model (dry run)" if small else "Llama 2048 x 16 layers, bf16"
     print(f"\nDecode throughput of generate_batch, {model_name}"
           f", prompt {plen}, {new} new tokens, median of {runs} runs, device {args.device}"
           f"{', CUDA graphs' if args.cuda_graphs else ''} ({time.strftime('%Y-%m-%d')}; `{cmd.strip()}`)\n")
-    print("| batch | tokens/s without | tokens/s with canary | overhead | canary host us/step | "
-          "of which adapter us/step | canary device us/step | step ms without |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for b, p, w, ov, h, a, d, ms in rows:
+    print("| batch | tokens/s without | tokens/s with canary | overhead (tokens/s) | canary host us/step | "
+          "canary host / step | of which adapter us/step | canary span on the stream us/step | step ms without |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b, p, w, ov, h, share, a, d, ms in rows:
         dev = "-" if d != d else f"{d:.0f}"  # no CUDA events on the CPU
-        print(f"| {b} | {p:.1f} | {w:.1f} | {ov:+.2f} % | {h:.0f} | {a:.0f} | {dev} | {ms:.2f} |")
+        print(f"| {b} | {p:.1f} | {w:.1f} | {ov:+.2f} % | {h:.0f} | {share:.2f} % | {a:.0f} | {dev} | {ms:.2f} |")
     return 0
 
 

@@ -298,8 +298,9 @@ class HostReader:
         self.device = device
         self.sources = list(sources)
         self._sets = None  # two lists of pinned NumPy arrays shaped like the sources
-        self._span = None  # (device address, bytes) covering every source, when one copy moves them all
-        self._span_dst = None  # per set, the pinned address the span lands at
+        self._groups = None  # source indices by the allocation they are views of
+        self._spans = None  # per group: (device address, bytes) its sources cover
+        self._bases = None  # per set, per group: the pinned address its span lands at
         self._dev = None
         self._events = None
         self._next = 0  # the set the next copy goes to
@@ -344,13 +345,18 @@ class HostReader:
         k = self._next
         self._next ^= 1
         stream = int(ptr) if ptr is not None else cp.cuda.get_current_stream().ptr
-        ranges = [(0, int(a.shape[0])) if r is None else r
-                  for a, r in zip(self.sources, rows or [None] * len(self.sources))]
-        if rows is None and self._span is not None:
-            copies = [(self._span_dst[k], self._span[0], self._span[1])]
-        else:
-            copies = [(dst + r0 * a.strides[0], a.data.ptr + r0 * a.strides[0], (r1 - r0) * a.strides[0])
-                      for a, dst, (r0, r1) in zip(self.sources, self._addresses[k], ranges) if r1 > r0]
+        rows = rows or [None] * len(self.sources)
+        ranges = [(0, int(a.shape[0])) if r is None else r for a, r in zip(self.sources, rows)]
+        copies = []
+        for base, (lo, size), members in zip(self._bases[k], self._spans, self._groups):
+            if all(rows[i] is None for i in members):
+                copies.append((base, lo, size))
+                continue
+            for i in members:
+                a, (r0, r1) = self.sources[i], ranges[i]
+                if r1 > r0:
+                    off = a.data.ptr - lo + r0 * a.strides[0]
+                    copies.append((base + off, lo + off, (r1 - r0) * a.strides[0]))
         prev = rt.getDevice()
         if prev != self._dev:
             rt.setDevice(self._dev)
@@ -364,26 +370,33 @@ class HostReader:
         self._staged = (k, ranges)
 
     def _allocate(self, cp) -> None:
-        """Two pinned sets shaped like the sources (one buffer per set over their span when they
-        are views of one allocation), and an event per set."""
+        """Two pinned sets shaped like the sources and an event per set. Sources that are
+        views of one allocation share one pinned buffer laid out like their span on the device."""
         self._dev = device_index(self.device)
-        lo = min(a.data.ptr for a in self.sources)
-        hi = max(a.data.ptr + a.nbytes for a in self.sources)
-        one = len({id(a.data.mem) for a in self.sources}) == 1 and all(a.flags.c_contiguous for a in self.sources)
-        self._span = (lo, hi - lo) if one else None
-        self._sets, self._span_dst = [], []
+        by_mem: dict = {}
+        for i, a in enumerate(self.sources):
+            if not a.flags.c_contiguous:
+                raise ValueError("kvcanary: HostReader: expected packed arrays")
+            by_mem.setdefault(id(a.data.mem), []).append(i)
+        self._groups = list(by_mem.values())
+        self._spans = []
+        for members in self._groups:
+            lo = min(self.sources[i].data.ptr for i in members)
+            hi = max(self.sources[i].data.ptr + self.sources[i].nbytes for i in members)
+            self._spans.append((lo, hi - lo))
+        self._sets, self._bases = [], []
         with cp.cuda.Device(self._dev):
             for _ in range(2):
-                if one:
-                    buf = np.frombuffer(cp.cuda.alloc_pinned_memory(max(hi - lo, 8)), np.uint8, max(hi - lo, 8))
-                    self._span_dst.append(buf.ctypes.data)
-                    self._sets.append([buf[a.data.ptr - lo:a.data.ptr - lo + a.nbytes].view(a.dtype).reshape(a.shape)
-                                       for a in self.sources])
-                else:
-                    self._sets.append([np.frombuffer(cp.cuda.alloc_pinned_memory(max(a.nbytes, 8)), a.dtype, a.size)
-                                       .reshape(a.shape) for a in self.sources])
+                views, bases = [None] * len(self.sources), []
+                for members, (lo, size) in zip(self._groups, self._spans):
+                    buf = np.frombuffer(cp.cuda.alloc_pinned_memory(max(size, 8)), np.uint8, max(size, 8))
+                    bases.append(buf.ctypes.data)  # (.ctypes is slow: once)
+                    for i in members:
+                        a = self.sources[i]
+                        views[i] = buf[a.data.ptr - lo:a.data.ptr - lo + a.nbytes].view(a.dtype).reshape(a.shape)
+                self._sets.append(views)
+                self._bases.append(bases)
             self._events = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
-        self._addresses = [[p.ctypes.data for p in pinned] for pinned in self._sets]  # (.ctypes is slow: once)
 
     def reset(self) -> None:
         self._staged = None

@@ -239,23 +239,27 @@ class ViolationLog:
             self._reader = HostReader(self.device, [self.head, self.ring])
         if isinstance(self.ring, np.ndarray):
             head, ring = self._reader.take()
-            end = min(int(head[0]), self.capacity)
-            rows = ring[self._polled:end]
-        else:
-            staged = self._reader.take()
-            rows = []
-            if staged is not None:
-                head, window = staged
-                start = self._window_start
-                end = min(int(head[0]), self.capacity)
-                rows = window[:max(0, end - start)]  # rows start.. of the ring
-                if end > start + len(rows):  # a burst beyond the window
-                    rows = np.concatenate([rows, runtime.to_host(self.ring[start + len(rows):end])])
-            if queue_next:
-                self._window_start = start = self._polled + len(rows)
-                self._reader.queue(runtime.resolve_stream(stream, ()),
-                                   rows=[None, (start, min(start + POLL_WINDOW, self.capacity))])
-        out = [Violation.from_row(r) for r in rows]
+            return self._take_rows(int(head[0]), ring, 0)
+        staged = self._reader.take()
+        out = [] if staged is None else self._take_rows(int(staged[0][0]), staged[1], self._window_start)
+        if queue_next:
+            self._window_start, stop = self._window()
+            self._reader.queue(runtime.resolve_stream(stream, ()), rows=[None, (self._window_start, stop)])
+        return out
+
+    def _window(self) -> tuple[int, int]:
+        """The ring rows a poll's copy holds: the next POLL_WINDOW after those handed out."""
+        return self._polled, min(self._polled + POLL_WINDOW, self.capacity)
+
+    def _take_rows(self, head: int, rows: np.ndarray, start: int) -> list[Violation]:
+        """The rows appended since the last poll, from the head's value and ring rows ``start ..``
+        as one copy found them (rows past them, a burst, are read now); marks them handed out."""
+        end = min(head, self.capacity)
+        stop = min(end, start + len(rows))
+        got = rows[max(0, self._polled - start):max(0, stop - start)]
+        if end > stop:
+            got = np.concatenate([got, runtime.to_host(self.ring[max(stop, self._polled):end])])
+        out = [Violation.from_row(r) for r in got]
         self._polled += len(out)
         return out
 

@@ -185,8 +185,9 @@ class KvCanary:
         self.grow_on_overflow = scalars.check_flag(grow_on_overflow, "grow_on_overflow")
         self.verify_after = scalars.check_flag(verify_after, "verify_after")
         # What every poll reads lives in one block, so one copy moves it: each group's plan
-        # scalars, the log head snapshots, the log's counters.
-        polled = runtime.empty((2 * SCALAR_WORDS + history + NUM_COUNTERS,), np.int64, self.device, fill=0)
+        # scalars, the log head snapshots, the log's counters and (without an agreement, which
+        # sends it) the log's head.
+        polled = runtime.empty((2 * SCALAR_WORDS + history + NUM_COUNTERS + 1,), np.int64, self.device, fill=0)
         self.main = main_group(num_slots=num_slots, device=self.device, max_batch=self.max_batch, width=width,
                                verify_capacity=verify_capacity, sources=srcs, mode=mode,
                                sample_period=fingerprint_sample_period, draft=draft, chain=self.chain,
@@ -203,8 +204,8 @@ class KvCanary:
 
             send = Agreement.allocate_send(self.device)  # its word 1 is the log's head: sent without a copy
         self.log = ViolationLog.allocate(capacity=ring_capacity, device=self.device,
-                                         head=None if send is None else send[1:],
-                                         counters=polled[2 * SCALAR_WORDS + history:])
+                                         head=polled[-1:] if send is None else send[1:],
+                                         counters=polled[2 * SCALAR_WORDS + history:-1])
 
         # --- what a step hands work to ----------------------------------------
         self._keepalive = Keepalive(self.device)
@@ -223,10 +224,12 @@ class KvCanary:
             for g in self.groups:
                 g.keep_entry_digest(self._keepalive.hold)
         # One pinned copy per poll: every group's scalars, the head snapshots, the log's counters
-        # (and the agreement's state).
+        # (and the agreement's state), the log's head and the ring rows after those polled.
         self._reader = runtime.HostReader(self.device, [g.sc for g in self.groups]
                                           + [self._requests.heads, self.log.counter_array]
-                                          + ([self._agreement.state] if self._agreement is not None else []))
+                                          + ([self._agreement.state] if self._agreement is not None else [])
+                                          + [self.log.head, self.log.ring])
+        self._window_start = 0  # the first ring row the queued copy holds
         # Prepared op arguments per shape of step (see .steps); dropped when what they hold changes.
         self._before_steps = StepCache()
         self._after_steps = StepCache()
@@ -839,9 +842,13 @@ class KvCanary:
         """
         ptr = self._inputs.stream(stream)
         # On CUDA the rows and scalars returned now were copied at an earlier poll.
-        upto_seq, replay_now = self._requests.stage(now=self.device == "cpu", queue=queue_next)
-        found = self.log.poll(stream=ptr, queue_next=queue_next)
-        scal = self._reader.poll(ptr, queue_next=queue_next)
+        upto_seq, replay_now = self._requests.stage(now=self._cpu, queue=queue_next)
+        scal = self._reader.take()
+        found = [] if scal is None else self.log._take_rows(int(scal[-2][0]), scal[-1],
+                                                            0 if self._cpu else self._window_start)
+        if queue_next and not self._cpu:
+            self._window_start, stop = self.log._window()
+            self._reader.queue(ptr, rows=[None] * (len(self._reader.sources) - 1) + [(self._window_start, stop)])
         self._keepalive.polled(waited=scal is not None, queued=queue_next)
         out = []
         if scal is not None:
