@@ -166,6 +166,13 @@ def test_update_targets_match_backend():
     assert _constant("scatter.cu", "MAX_UPDATE_TARGETS") == cuda_backend.MAX_UPDATE_TARGETS
 
 
+def test_warp_row_limit_matches_backend():
+    """The backend sizes a write's grid by the rows a warp takes (at most KVC_WARP_ROW_MAX tokens)."""
+    text = (cuda_sources.kernels_dir() / "write.cu").read_text()
+    (value,) = re.findall(r"#define KVC_WARP_ROW_MAX (\d+)", text)
+    assert int(value) == cuda_backend.WARP_ROW_MAX
+
+
 @pytest.mark.parametrize("file,struct,fields", [
     ("plan.cu", "PlanArgs", cuda_backend.PLAN_FIELDS),
     ("plan.cu", "CheckArgs", cuda_backend.CHECK_FIELDS),

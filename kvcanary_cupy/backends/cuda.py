@@ -71,6 +71,7 @@ WRITE_STEP_FIELDS = WRITE_FIELDS + tuple(f"d_{k}" for k in DIGEST_FIELDS)
 AGREE_FIELDS = ("gathered", "world", "words", "rank", "state", "ring", "head", "ring_capacity", "tag")
 DIGEST_STATE_WORDS = 2  # digest.cu: the partial sum and the finished-block ticket
 HAS_ETOK, HAS_EPOS = 1 << 5, 1 << 6  # write.cu widths bits
+WARP_ROW_MAX = 128  # write.cu KVC_WARP_ROW_MAX: longer rows of the scan chain take a block each
 
 # The kernel instances, by (real-KV sources given, scan chain).
 WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false>", (False, True): "kvc::write_tokens<false, true>",
@@ -374,9 +375,10 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
     v.update(offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
              position_check=_ptr(wp.position_check), max_batch=wp.max_batch, input_ids=_ptr(input_ids),
              positions=_ptr(positions), out_cache_loc=_ptr(out_cache_loc), widths=widths, avail=avail)
-    # A warp per row for the chain (a scan chain's long rows: a block per row); with folds,
-    # up to 32 lanes per token fingerprint.
-    threads = max(wp.max_batch * (BLOCK if canary.chain == fmt.CHAIN_SCAN else 32), avail * min(nf, 32))
+    # A warp per row for the chain (a scan chain's long rows: a block per row, when the inputs
+    # are long enough to hold one); with folds, up to 32 lanes per token fingerprint.
+    per_row = BLOCK if canary.chain == fmt.CHAIN_SCAN and avail > WARP_ROW_MAX else 32
+    threads = max(wp.max_batch * per_row, avail * min(nf, 32))
     blocks = _blocks(threads, _runtime().resident_blocks(fn, dev))
     if digest is None:
         return _Launch(WRITE_STEP_FIELDS, fn, dev, v, blocks)
