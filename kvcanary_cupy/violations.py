@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import arrays, runtime, scalars
+from .format import (COUNTER_NAMES, NUM_COUNTERS, VIOLATION_COLUMNS, VIOLATION_WORDS, FailReason,
+                     LaunchTag)
 from .runtime import HostReader, on_stream
 
 # Ring rows a poll's copy holds beyond the rows already returned (a clean step logs none;
 # a burst beyond them is read at once).
 POLL_WINDOW = 256
-from .format import (COUNTER_NAMES, NUM_COUNTERS, VIOLATION_COLUMNS, VIOLATION_WORDS, FailReason,
-                     LaunchTag)
 
 
 @dataclass(frozen=True)
@@ -239,21 +239,24 @@ class ViolationLog:
             self._reader = HostReader(self.device, [self.head, self.ring])
         if isinstance(self.ring, np.ndarray):
             head, ring = self._reader.take()
-            return self._take_rows(int(head[0]), ring, 0)
+            return self.take_copied(int(head[0]), ring, 0)
         staged = self._reader.take()
-        out = [] if staged is None else self._take_rows(int(staged[0][0]), staged[1], self._window_start)
+        out = [] if staged is None else self.take_copied(int(staged[0][0]), staged[1], self._window_start)
         if queue_next:
-            self._window_start, stop = self._window()
+            self._window_start, stop = self.copy_window()
             self._reader.queue(runtime.resolve_stream(stream, ()), rows=[None, (self._window_start, stop)])
         return out
 
-    def _window(self) -> tuple[int, int]:
-        """The ring rows a poll's copy holds: the next POLL_WINDOW after those handed out."""
+    def copy_window(self) -> tuple[int, int]:
+        """``(start, stop)``: the ring rows a poll's copy holds, the next ``POLL_WINDOW`` after
+        those handed out (for a caller that copies the head and the ring itself, with its own
+        scalars, and hands the copy to :meth:`take_copied`)."""
         return self._polled, min(self._polled + POLL_WINDOW, self.capacity)
 
-    def _take_rows(self, head: int, rows: np.ndarray, start: int) -> list[Violation]:
+    def take_copied(self, head: int, rows: np.ndarray, start: int) -> list[Violation]:
         """The rows appended since the last poll, from the head's value and ring rows ``start ..``
-        as one copy found them (rows past them, a burst, are read now); marks them handed out."""
+        as one copy found them (rows past them, a burst, are read now: synchronizing); marks
+        them handed out, as :meth:`poll` does."""
         end = min(head, self.capacity)
         stop = min(end, start + len(rows))
         got = rows[max(0, self._polled - start):max(0, stop - start)]

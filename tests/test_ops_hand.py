@@ -649,6 +649,23 @@ def test_poll_hands_out_a_burst_beyond_its_copy_window_once_in_order(xp, device)
     assert e.log.poll() + e.log.poll() == []
 
 
+def test_take_copied_hands_out_rows_from_a_callers_copy_and_reads_a_burst(xp, device):
+    e = env(xp, device, log_capacity=8)
+    prefill(e, 1, 2, ROW1, TOK1)
+    e.canary.records[ROW1[1], 1] = 50
+    e.plan([1], [2], [0])
+    for tag in (51, 52, 53, 54, 55):
+        e.verify(tag=tag)
+    assert e.log.copy_window() == (0, 8)  # the log is shorter than a poll's window
+    rows = host(e.log.ring)
+    got = e.log.take_copied(5, rows[0:2], 0)  # a copy of two rows: three more are read from the ring
+    assert [v.tag for v in got] == [51, 52, 53, 54, 55]
+    assert e.log.copy_window() == (5, 8)
+    e.verify(tag=56)
+    assert [v.tag for v in e.log.take_copied(6, host(e.log.ring)[5:8], 5)] == [56]
+    assert e.log.take_copied(6, host(e.log.ring)[6:8], 6) == []
+
+
 def test_poll_queue_next_false_reads_the_copy_an_earlier_poll_queued(xp, device):
     e = env(xp, device)
     prefill(e, 1, 2, ROW1, TOK1)

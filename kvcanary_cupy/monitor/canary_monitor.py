@@ -844,10 +844,10 @@ class KvCanary:
         # On CUDA the rows and scalars returned now were copied at an earlier poll.
         upto_seq, replay_now = self._requests.stage(now=self._cpu, queue=queue_next)
         scal = self._reader.take()
-        found = [] if scal is None else self.log._take_rows(int(scal[-2][0]), scal[-1],
-                                                            0 if self._cpu else self._window_start)
+        found = [] if scal is None else self.log.take_copied(int(scal[-2][0]), scal[-1],
+                                                             0 if self._cpu else self._window_start)
         if queue_next and not self._cpu:
-            self._window_start, stop = self.log._window()
+            self._window_start, stop = self.log.copy_window()
             self._reader.queue(ptr, rows=[None] * (len(self._reader.sources) - 1) + [(self._window_start, stop)])
         self._keepalive.polled(waited=scal is not None, queued=queue_next)
         out = []
