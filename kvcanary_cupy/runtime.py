@@ -289,9 +289,10 @@ class HostReader:
     On the CPU :meth:`read_now` and :meth:`poll` return copies of the arrays. On CUDA
     :meth:`poll` returns what the copy queued by the previous poll found (or ``None``
     when none is queued) and queues the next copy into pinned memory: one
-    ``cudaMemcpyAsync`` per array or requested row range (one for all the arrays when they
-    are views of one allocation), no CuPy array work on the way. Two pinned sets alternate, so what a poll returns are views of the set the
-    copy landed in, valid until the next poll (which queues into the other set).
+    ``cudaMemcpyAsync`` per array or requested row range (one for all the arrays that are
+    views of one allocation), no CuPy array work on the way. Two pinned sets alternate, so
+    what a poll returns are views of the set the copy landed in, valid until the next poll
+    (which queues into the other set).
     """
 
     def __init__(self, device: str, sources: list):
