@@ -171,6 +171,23 @@ def reference(model, inputs, *, gen, config) -> dict:
     return {rid: r.generated_tokens for rid, r in out.items()}
 
 
+def generate_both(model, inputs, config, *, new: int, **opts):
+    """``generate_batch`` without, then with, the watch (``opts`` go to ``watch``):
+    (reference tokens, watched tokens, watch stats, violations); no watched request failed."""
+    from kvcanary_cupy.integrations.transformers import watch  # noqa: PLC0415
+
+    ref = reference(model, inputs, gen=greedy(new), config=config)
+    with watch(model, **opts) as w:
+        out = model.generate_batch(inputs, generation_config=greedy(new), continuous_batching_config=config)
+    assert all(r.error is None for r in out.values())
+    return ref, {k: r.generated_tokens for k, r in out.items()}, w.stats(), w.violations
+
+
+def tokens_processed(inputs, *, new: int) -> int:
+    """Tokens the engine writes without any prefix hit or re-prefill (the last new token is never written)."""
+    return sum(len(p) for p in inputs) + len(inputs) * (new - 1)
+
+
 # --------------------------------------------------------------------------- faults
 def running(bp, *, min_blocks: int = 1, group: int = 0, unshared: bool = False, decoding: bool = True):
     """A live request id holding at least ``min_blocks`` blocks in ``group`` (optionally none shared)."""

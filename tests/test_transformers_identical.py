@@ -7,33 +7,22 @@ re-prefills), sliding-window groups.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("torch")  # the harness needs both; without them these tests skip
 pytest.importorskip("transformers")
 
-from tests.test_transformers_harness import (all_sliding, cb, cpu_swap_pool_unpinned, greedy, hybrid, llama,
-                                             prompts)
+from tests.test_transformers_harness import (all_sliding, cb, cpu_swap_pool_unpinned, generate_both, hybrid,
+                                             llama, prompts, tokens_processed)
 
 from kvcanary_cupy.integrations.transformers import watch
 
 NEW = 24
 
 
-def generate(model, inputs, config, **opts):
-    """generate_batch without, then with, the watch: (reference tokens, watched tokens, stats)."""
-    gen = greedy(NEW)
-    ref = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=config)
-    with watch(model, **opts) as w:
-        out = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=config)
-    assert all(r.error is None for r in out.values())
-    return ({k: r.generated_tokens for k, r in ref.items()}, {k: r.generated_tokens for k, r in out.items()},
-            w.stats(), w.violations)
-
-
-def tokens_processed(inputs) -> int:
-    """Tokens the engine writes without any prefix hit or re-prefill (the last new token is never written)."""
-    return sum(len(p) for p in inputs) + len(inputs) * (NEW - 1)
+generate = functools.partial(generate_both, new=NEW)
 
 
 def test_prefix_sharing_identical():
@@ -41,7 +30,7 @@ def test_prefix_sharing_identical():
     ref, out, stats, found = generate(llama(), inputs, cb())
     assert out == ref and len(out) == 24
     assert found == [] and stats["violations"] == 0
-    assert stats["slots_written"] < tokens_processed(inputs)  # prefix hits skipped writes
+    assert stats["slots_written"] < tokens_processed(inputs, new=NEW)  # prefix hits skipped writes
     (engine,) = stats["engines"]
     assert engine["fingerprints"] and engine["groups"][0]["type"] == "full_attention"
 
@@ -62,7 +51,7 @@ def test_soft_reset_identical():
                                                           allow_block_sharing=False))
     assert out == ref and found == []
     assert stats["offloaded_requests"] == 0
-    assert stats["slots_written"] > tokens_processed(inputs)  # soft-reset requests were prefilled again
+    assert stats["slots_written"] > tokens_processed(inputs, new=NEW)  # soft-reset requests were prefilled again
 
 
 @pytest.mark.parametrize("make", [hybrid, all_sliding], ids=["full+sliding", "sliding-only"])
@@ -84,7 +73,7 @@ def test_long_prompts_in_chunks_identical():
     inputs = prompts(6, seed=8, shared=200, families=2, min_len=100, max_len=140)
     ref, out, stats, found = generate(llama(), inputs, cb(num_blocks=160, max_batch_tokens=128))
     assert out == ref and found == []
-    assert stats["slots_written"] < tokens_processed(inputs)
+    assert stats["slots_written"] < tokens_processed(inputs, new=NEW)
 
 
 def test_forked_sequences_identical():

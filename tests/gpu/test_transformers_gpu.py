@@ -20,8 +20,9 @@ if not torch.cuda.is_available():
     pytest.skip("PyTorch sees no CUDA device", allow_module_level=True)
 
 from tests.test_transformers_harness import (all_sliding, assert_caught, cb, corrupt_host_copy, drive,  # noqa: E402
-                                             flip_kv_bytes, greedy, hybrid, llama, prompts, steal_block,
-                                             swap_block_table_entries, wrong_prefix_hit)
+                                             flip_kv_bytes, generate_both, greedy, hybrid, llama, prompts,
+                                             steal_block, swap_block_table_entries, tokens_processed,
+                                             wrong_prefix_hit)
 
 from kvcanary_cupy import FailReason  # noqa: E402
 from kvcanary_cupy.integrations.transformers import watch  # noqa: E402
@@ -31,18 +32,7 @@ CUDA = "cuda"
 GRAPHS = dict(use_cuda_graph=True, use_async_batching=False)
 
 
-def generate(model, inputs, config, **opts):
-    gen = greedy(NEW)
-    ref = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=config)
-    with watch(model, device=CUDA, **opts) as w:
-        out = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=config)
-    assert all(r.error is None for r in out.values())
-    return ({k: r.generated_tokens for k, r in ref.items()}, {k: r.generated_tokens for k, r in out.items()},
-            w.stats(), w.violations)
-
-
-def processed(inputs) -> int:
-    return sum(len(p) for p in inputs) + len(inputs) * (NEW - 1)
+generate = functools.partial(generate_both, new=NEW, device=CUDA)
 
 
 # --------------------------------------------------------------------------- generation unchanged
@@ -51,7 +41,7 @@ def test_prefix_sharing_identical(graphs):
     inputs = prompts(24, shared=24, families=3, seed=1)
     ref, out, stats, found = generate(llama(device=CUDA), inputs, cb(**(GRAPHS if graphs else {})))
     assert out == ref and found == []
-    assert stats["slots_written"] < processed(inputs)
+    assert stats["slots_written"] < tokens_processed(inputs, new=NEW)
     (engine,) = stats["engines"]
     assert engine["fingerprints"]
 
@@ -71,7 +61,7 @@ def test_soft_reset_identical():
     inputs = prompts(16, seed=3, min_len=10, max_len=18)
     ref, out, stats, found = generate(llama(device=CUDA), inputs,
                                       cb(num_blocks=24, cpu_offload_space=0.0, allow_block_sharing=False))
-    assert out == ref and found == [] and stats["slots_written"] > processed(inputs)
+    assert out == ref and found == [] and stats["slots_written"] > tokens_processed(inputs, new=NEW)
 
 
 @pytest.mark.parametrize("make", [hybrid, all_sliding], ids=["full+sliding", "sliding-only"])
