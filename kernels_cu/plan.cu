@@ -20,12 +20,15 @@
 // Row r reads positions [max(start - 1, 0), P): its window, the window head's
 // predecessor and (P > 0) the seed at P - 1, so one pass over that range
 // decides validity exactly as the reference does.
+//
+// Small steps (a decode step of a few rows) take another route through the same
+// launch, with no grid-wide wait: see "small steps" below.
 #include "kvcanary_common.cuh"
 
 namespace kvc {
 
-// Rows phase: lookups per thread in flight (a block per row leaves few warps
-// per SM, so latency, not bandwidth, bounds it).
+// Rows phase: 32-bit table lookups per thread in flight (a block per row leaves few
+// warps per SM, so latency, not bandwidth, bounds it); half as many 64-bit ones.
 inline constexpr int ROW_UNROLL = 8;
 
 // Bits of `widths`: which index inputs are int64 (else int32).
@@ -63,14 +66,21 @@ struct PlanArgs {
     i64* wp_input_errors;
     i64 wp_max_batch;
     i64* sync;  // [SYNC_WORDS] launch state, all 0 between launches
+    i64 small_max;  // the most entries a step may have to take the small route (0: never)
 };
 
-// The launch state of plan_step: rows handed out, rows finished, blocks exited,
-// the entry digest's partial sum (plan_and_verify), and (a 128-byte line of its
-// own, so that blocks polling it do not slow the counters' atomics) the scan
-// published (0 / 1). The last block out zeroes it.
-inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_SCANNED = 16;
-inline constexpr int SYNC_WORDS = 32;
+// The launch state of plan_step: rows handed out, rows finished, blocks exited (and,
+// in the high word, the small route's invalid rows), the entry digest's partial sum
+// (plan_and_verify), the small route's tiles handed out (plan), (a
+// 128-byte line of its own, so that blocks polling it do not slow the counters'
+// atomics) the scan published (0 / 1), and the small route's row verdicts (0: not
+// yet, 1: valid, 2: invalid). The last block out zeroes it.
+inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_TILES_CLAIMED = 4,
+                     SYNC_SCANNED = 16;
+inline constexpr int SYNC_VERDICTS = 32;
+inline constexpr int SMALL_ROWS = 256;  // rows the small route takes at most
+inline constexpr int SYNC_WORDS = 288;
+static_assert(SYNC_WORDS == SYNC_VERDICTS + SMALL_ROWS, "a verdict word per row of the small route");
 
 // Polling the flag backs off from KVC_POLL_MIN_NS to KVC_POLL_MAX_NS.
 #ifndef KVC_POLL_MIN_NS
@@ -164,46 +174,131 @@ __device__ i64 scan_counts(i64* a, i64 n, i64 tail_end, i64* sh) {
     return total;
 }
 
-// Row r (thread 0 gets the results): validity, and the counts and seed it stores.
-__device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors) {
+// Inclusive prefix sum of v over the block; `total` gets the block's sum in every
+// thread. Every thread must call it; `scratch` holds a value per warp.
+__device__ __forceinline__ i64 block_scan(i64 v, i64* scratch, i64& total) {
+    const unsigned lane = lane_id(), w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    i64 incl = v;
+    for (int d = 1; d < 32; d <<= 1) {
+        const i64 x = __shfl_up_sync(FULL_MASK, incl, d);
+        if ((int)lane >= d) incl += x;
+    }
+    __syncthreads();  // a previous use of scratch is over
+    if (lane == 31) scratch[w] = incl;
+    __syncthreads();
+    if (w == 0) {
+        i64 x = lane < nw ? scratch[lane] : 0;
+        for (int d = 1; d < 32; d <<= 1) {
+            const i64 y = __shfl_up_sync(FULL_MASK, x, d);
+            if ((int)lane >= d) x += y;
+        }
+        if (lane < nw) scratch[lane] = x;
+    }
+    __syncthreads();
+    total = scratch[nw - 1];
+    return (w > 0 ? scratch[w - 1] : 0) + incl;
+}
+
+// Whether row r's scalar inputs are in range (plan_row's first test): a request-table
+// row, a prefix and an extend that fit the table's width, and expected tokens for it.
+__device__ __forceinline__ bool row_inputs_ok(const PlanArgs& a, i64 rp, i64 P, i64 E) {
     // The table's width in positions, saturated: twidth * page may not fit int64.
     i64 width = mul_or_neg(a.twidth, a.page);
     if (width < 0) width = I64_MAX;
+    bool ok = rp != PADDING_REQ && rp > 0 && rp < a.nreq && P >= 0 && E >= 0 && P <= width && E <= width - P;
+    if (a.erows >= 0) ok = ok && rp < a.erows;
+    return ok;
+}
+
+// slot_of_value for a token-level table (page 1) without branches: the LUT load is
+// predicated, so a loop of these keeps every load in flight at once.
+__device__ __forceinline__ i64 token_slot(const PlanArgs& a, i64 v) {
+    if (a.lut_len < 0) return v < 0 ? -1 : v;
+    const bool in = v >= 0 && v < a.lut_len;
+    const i64 s = in ? load_index(a.lut, width_bit(a.widths, W_LUT), v) : -1;
+    return s < 0 ? -1 : s;
+}
+
+// The slots of a run of positions, kept by the caller: positions [keep_lo, keep_lo + keep_n)
+// store theirs in keep[pos - keep_lo] (keep_n 0: none).
+struct KeptSlots {
+    i64* keep;
+    i64 keep_lo, keep_n;
+};
+
+// row_readable for one table width and kind. The loads of a round are issued before any
+// is used, and nothing between them branches (NVCC would otherwise convert each int32
+// value, or divide by the page, right after its load and wait for it there: a round
+// trip per load instead of per round).
+template <typename T, bool kToken>
+__device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row, i64 lo, i64 P, i64* last,
+                                                KeptSlots kept) {
+    constexpr int U = ROW_UNROLL * 4 / (int)sizeof(T);
+    bool bad = false, has_last = false;
+    i64 last_slot = -1;
+    const i64 step = (i64)blockDim.x * U;
+    for (i64 p0 = lo + threadIdx.x; p0 < P; p0 += step) {
+        T v[U];
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const i64 pos = p0 + (i64)j * blockDim.x;
+            v[j] = pos < P ? row[kToken ? pos : pos / a.page] : (T)0;
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const i64 pos = p0 + (i64)j * blockDim.x;
+            if (pos < P) {
+                const i64 s = kToken ? token_slot(a, (i64)v[j]) : slot_of_value(a, (i64)v[j], pos);
+                bad |= s < 0;
+                if (pos == P - 1) {
+                    has_last = true;
+                    last_slot = s;
+                }
+                const i64 k = pos - kept.keep_lo;
+                if (k >= 0 && k < kept.keep_n) kept.keep[k] = s;
+            }
+        }
+    }
+    if (has_last) *last = last_slot;
+    return !__syncthreads_or(bad);
+}
+
+// Whether every position in [lo, P) of request-table row rp has a readable slot, in
+// every thread; the thread that checks position P - 1 stores its slot (or -1) in *last,
+// and `kept` receives the slots of its positions. Every thread of the block must call it.
+__device__ __forceinline__ bool row_readable(const PlanArgs& a, i64 rp, i64 lo, i64 P, i64* last,
+                                             KeptSlots kept = KeptSlots{nullptr, 0, 0}) {
+    const i64 base = rp * a.twidth;
+    if (width_bit(a.widths, W_TABLE)) {
+        const i64* row = (const i64*)a.table + base;
+        return a.page == 1 ? row_readable_in<i64, true>(a, row, lo, P, last, kept)
+                           : row_readable_in<i64, false>(a, row, lo, P, last, kept);
+    }
+    const int* row = (const int*)a.table + base;
+    return a.page == 1 ? row_readable_in<int, true>(a, row, lo, P, last, kept)
+                       : row_readable_in<int, false>(a, row, lo, P, last, kept);
+}
+
+// Row r (thread 0 gets the results): validity, and the counts and seed it stores.
+__device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors, i64* seed) {
     i64 rp = load_index(a.rpi, width_bit(a.widths, W_RPI), r);
     i64 P = load_index(a.pre, width_bit(a.widths, W_PRE), r);
     i64 E = load_index(a.ext, width_bit(a.widths, W_EXT), r);
     bool active = rp != PADDING_REQ;
-    bool ok = active && rp > 0 && rp < a.nreq && P >= 0 && E >= 0 && P <= width && E <= width - P;
-    if (a.erows >= 0) ok = ok && rp < a.erows;
+    bool ok = row_inputs_ok(a, rp, P, E);
     i64 start = ok ? window_start(a, P) : 0;
-    bool bad = false;
+    bool readable = true;
     if (ok) {
-        i64 lo = start > 0 ? start - 1 : 0;
-        const i64 step = (i64)blockDim.x * ROW_UNROLL;
-        for (i64 p0 = lo + threadIdx.x; p0 < P; p0 += step) {
-            // Every table load of the round first, then the checks: loads behind a
-            // data-dependent branch would each wait for the one before.
-            i64 v[ROW_UNROLL];
-#pragma unroll
-            for (int j = 0; j < ROW_UNROLL; ++j) {
-                const i64 pos = p0 + (i64)j * blockDim.x;
-                v[j] = pos < P ? table_at(a, rp, pos) : 0;
-            }
-#pragma unroll
-            for (int j = 0; j < ROW_UNROLL; ++j) {
-                const i64 pos = p0 + (i64)j * blockDim.x;
-                if (pos < P && slot_of_value(a, v[j], pos) < 0) bad = true;
-            }
-        }
+        const i64 lo = start > 0 ? start - 1 : 0;
+        readable = row_readable(a, rp, lo, P, seed);
     }
-    bad = __syncthreads_or(bad);
     if (threadIdx.x == 0) {
-        bool valid = ok && !bad;
+        bool valid = ok && readable;
         if (active && !valid) ++errors;
         if (a.vp_offsets != nullptr) a.vp_offsets[r + 1] = valid ? P - start : 0;
         if (a.wp_offsets != nullptr) {
             a.wp_offsets[r + 1] = valid ? E : 0;
-            a.wp_seeds[r] = valid && P > 0 && E > 0 ? slot_at(a, rp, P - 1) : -1;
+            a.wp_seeds[r] = valid && P > 0 && E > 0 ? *seed : -1;
         }
     }
 }
@@ -404,66 +499,281 @@ __device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64&
     }
 }
 
+// --- small steps: tiles that decide their row themselves ------------------------
+// The phases above are a chain of about twenty dependent global round trips (claim a
+// row, its table, the row-done atomic, the scan, the flag, the fill), and a decode
+// step of a few rows pays all of it. When the batch fits a block (bs <= SMALL_ROWS),
+// no row reads more than SMALL_ROW_MAX positions and the rows' entries fit the plan's
+// capacity and small_max even if every row is valid, the launch takes this route:
+//   every block reads every row's inputs (a row per thread) and lays the entries out
+//   in tiles of blockDim entries, a tile within one row;
+//   a block takes a tile and decides the validity of its row itself, reading the
+//   whole row's table (the row's other tiles read it again, from L2, instead of
+//   waiting for each other), then checks (plan_and_verify) or writes (plan) the
+//   tile's entries;
+//   the last block out turns the rows' verdicts into the offsets and plan scalars.
+// plan_and_verify's checks need no offsets, so its blocks never wait. plan's entries
+// need their row's offset: a plan tile waits for the verdicts of the rows before
+// its own, which the blocks holding those rows' first tiles publish before they
+// could wait themselves; tiles are handed out in order, so those blocks are running.
+// The digest of the entries (which needs each entry's index) takes the phases above.
+inline constexpr i64 SMALL_ROW_MAX = 8192;
+
+inline constexpr int SMALL_TILE = 256;  // entries per tile: blockDim (the launch bounds)
+
+struct SmallRows {
+    i64 rp[SMALL_ROWS], P[SMALL_ROWS], E[SMALL_ROWS];
+    i64 n[SMALL_ROWS];         // the row's entries if it is valid; -1: its inputs are out of range
+    i64 lim[SMALL_ROWS];       // expected tokens: the row's valid length, at most the table's width
+    i64 tile_end[SMALL_ROWS];  // inclusive prefix sums of the rows' tile counts
+    i64 tiles, entries;        // totals over the rows
+    i64 tile, seed, offset;    // the block's current tile; its row's seed slot and first entry
+    i64 invalid;               // rows this block found unreadable (it holds their first tiles)
+    i64 slot[SMALL_TILE + 1];  // the slots of the tile's positions, after its first's predecessor
+};
+
+// Reads every row's inputs into s and says whether the step takes the small route: the
+// same answer in every block, since it depends on the inputs only. Every thread calls it.
+__device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, SmallRows& s, i64* scratch) {
+    if (a.vp_offsets == nullptr || digest || a.small_max <= 0 || a.bs > SMALL_ROWS || blockDim.x > SMALL_TILE ||
+        a.bs > (i64)blockDim.x)
+        return false;
+    const i64 r = threadIdx.x;
+    i64 n = 0, tiles = 0;
+    if (r < a.bs) {
+        const i64 rp = load_index(a.rpi, width_bit(a.widths, W_RPI), r);
+        const i64 P = load_index(a.pre, width_bit(a.widths, W_PRE), r);
+        const i64 E = load_index(a.ext, width_bit(a.widths, W_EXT), r);
+        const bool ok = row_inputs_ok(a, rp, P, E);
+        n = ok ? P - window_start(a, P) : 0;
+        s.rp[r] = rp;
+        s.P[r] = P;
+        s.E[r] = E;
+        s.n[r] = ok ? n : -1;
+        if (a.erows >= 0) {
+            const i64 lim = load_index(a.evl, width_bit(a.widths, W_EVL), r);
+            s.lim[r] = lim < a.ewidth ? lim : a.ewidth;
+        }
+        if (n > SMALL_ROW_MAX) n = SMALL_ROW_MAX + 1;  // too long: keeps the sums below small
+        tiles = (n + blockDim.x - 1) / blockDim.x;
+    }
+    const bool fits = __syncthreads_and(n <= SMALL_ROW_MAX);
+    // Both sums in one scan: entries < 2**21 and tiles < 2**14 whenever the route is taken.
+    i64 total;
+    const i64 incl = block_scan((tiles << 32) | n, scratch, total);
+    if (r < a.bs) s.tile_end[r] = incl >> 32;
+    const i64 entries = total & 0xFFFFFFFFLL;
+    if (threadIdx.x == 0) {
+        s.tiles = total >> 32;
+        s.entries = entries;
+        s.invalid = 0;
+    }
+    __syncthreads();
+    return fits && entries <= a.vp_capacity && entries <= a.small_max;
+}
+
+// The small route's tiles for this block (see above).
+// plan's tiles come in order from a counter (see above): `ticket` (thread 0) is the
+// block's first, claimed at the start of the launch so that its round trip overlaps the
+// rows' loads.
+template <bool kVerify, bool kFp, bool kScan>
+__device__ __forceinline__ void small_tiles(const PlanArgs& a, const CheckArgs* c, SmallRows& s, u64 ticket,
+                                            i64 phase, i64& checked, i64* scratch) {
+    i64* sync = a.sync;
+    const bool w_etab = width_bit(a.widths, W_ETAB);
+    const int g = kFp ? lanes_per_fingerprint(s.entries, c->num_folds) : 1;
+    if (!kVerify && threadIdx.x == 0) s.tile = (i64)ticket;
+    __syncthreads();
+    for (i64 k = kVerify ? blockIdx.x : s.tile;;) {
+        if (k >= s.tiles) break;
+        // The tile's row: the first whose tile_end exceeds k.
+        i64 lo_r = 0, hi_r = a.bs - 1;
+        while (lo_r < hi_r) {
+            const i64 mid = (lo_r + hi_r) >> 1;
+            if (s.tile_end[mid] > k) hi_r = mid;
+            else lo_r = mid + 1;
+        }
+        const i64 r = lo_r, jt = k - (r > 0 ? s.tile_end[r - 1] : 0);
+        const i64 rp = s.rp[r], P = s.P[r], start = window_start(a, P);
+        const i64 i = jt * blockDim.x + threadIdx.x;  // the entry's index in its row
+        const i64 pos = start + i;
+        const bool act = pos < P;
+        // The expected token's load goes out now and is used after the row's table: a
+        // raw value per width, since a conversion right after the load would wait for it.
+        const bool want = act && a.erows >= 0 && pos + a.eoffset >= 0 && pos + a.eoffset < s.lim[r];
+        const i64 ek = rp * a.ewidth + pos + a.eoffset;
+        const i64 tok64 = want && w_etab ? ((const i64*)a.etab)[ek] : 0;
+        const int tok32 = want && !w_etab ? ((const int*)a.etab)[ek] : 0;
+        if (threadIdx.x == 0) s.seed = -1;
+        __syncthreads();
+        const i64 first = start + jt * blockDim.x;
+        const bool valid = row_readable(a, rp, start > 0 ? start - 1 : 0, P, &s.seed,
+                                        KeptSlots{s.slot, first - 1, (i64)blockDim.x + 1});
+        if (jt == 0 && threadIdx.x == 0) {  // the row's first tile publishes its verdict
+            if (a.wp_offsets != nullptr) a.wp_seeds[r] = valid && s.E[r] > 0 ? s.seed : -1;
+            atomicExch((u64*)(sync + SYNC_VERDICTS + r), valid ? 1ULL : 2ULL);
+            if (!valid) ++s.invalid;
+        }
+        if constexpr (!kVerify) {
+            // The row's first entry: the entries of the valid rows before it.
+            i64 before = 0;
+            if ((i64)threadIdx.x < r && s.n[threadIdx.x] > 0) {
+                const volatile i64* v = sync + SYNC_VERDICTS + threadIdx.x;
+                unsigned ns = KVC_POLL_MIN_NS;
+                while (*v == 0) {
+                    __nanosleep(ns);
+                    ns = ns < KVC_POLL_MAX_NS / 2 ? 2 * ns : KVC_POLL_MAX_NS;
+                }
+                if (*v == 1) before = s.n[threadIdx.x];
+            }
+            const i64 sum = block_sum(before, scratch);
+            if (threadIdx.x == 0) s.offset = sum;
+            __syncthreads();
+        }
+        // row_readable's barrier made the kept slots visible; the next tile's writes to them
+        // come after the barrier above.
+        if (valid) {  // uniform over the block
+            const i64 slot = act ? s.slot[threadIdx.x + 1] : -1;
+            const i64 prev = act && pos > 0 ? s.slot[threadIdx.x] : -1;
+            const i64 tok = want ? (w_etab ? tok64 : (i64)tok32) : -1;
+            if constexpr (kVerify) {
+                check_entry<kFp, kScan>(*c, act, r, slot, prev, pos, tok, g, phase, checked);
+            } else if (act) {
+                const i64 e = s.offset + i;
+                a.vp_slot[e] = slot;
+                a.vp_prev[e] = prev;
+                a.vp_epos[e] = pos;
+                a.vp_etok[e] = tok;
+            }
+        }
+        __syncthreads();  // the kept slots are read before the next tile overwrites them
+        if constexpr (kVerify) {
+            k += gridDim.x;
+        } else {
+            if (threadIdx.x == 0) s.tile = (i64)atomicAdd((u64*)(sync + SYNC_TILES_CLAIMED), 1ULL);
+            __syncthreads();
+            k = s.tile;
+            __syncthreads();  // every thread has k before thread 0 claims again
+        }
+    }
+}
+
+// The small route's last block: the offsets, seeds and plan scalars from the rows'
+// verdicts, and the verdicts cleared for the next launch. Every thread calls it.
+// `invalid`: rows found unreadable in the whole launch; with none, every row whose
+// inputs are in range is valid and no verdict needs reading.
+__device__ __forceinline__ void small_finish(const PlanArgs& a, const SmallRows& s, i64 invalid, i64* scratch) {
+    i64* sync = a.sync;
+    const i64 r = threadIdx.x;
+    i64 vc = 0, wc = 0;
+    bool error = false;
+    if (r < a.bs) {
+        const i64 n = s.n[r];
+        bool valid = n == 0;
+        if (n > 0) {
+            valid = invalid == 0 || __ldcg(sync + SYNC_VERDICTS + r) == 1;
+            sync[SYNC_VERDICTS + r] = 0;
+        }
+        error = s.rp[r] != PADDING_REQ && !valid;
+        vc = valid ? n : 0;
+        wc = valid ? s.E[r] : 0;
+        if (a.wp_offsets != nullptr && n <= 0) a.wp_seeds[r] = -1;  // no tile: P == 0, or out of range
+    }
+    const i64 errors = __syncthreads_count(error);
+    i64 vt, wt;
+    const i64 vi = block_scan(vc, scratch, vt);
+    const i64 wi = block_scan(wc, scratch, wt);
+    if (r < a.bs) a.vp_offsets[r + 1] = vi;
+    for (i64 i = a.bs + 1 + threadIdx.x; i <= a.vp_max_batch; i += blockDim.x) a.vp_offsets[i] = vt;
+    if (a.wp_offsets != nullptr) {
+        if (r < a.bs) a.wp_offsets[r + 1] = wi;
+        for (i64 i = a.bs + 1 + threadIdx.x; i <= a.wp_max_batch; i += blockDim.x) a.wp_offsets[i] = wt;
+        for (i64 i = a.bs + threadIdx.x; i < a.wp_max_batch; i += blockDim.x) a.wp_seeds[i] = -1;
+    }
+    if (threadIdx.x == 0) {
+        // The route is taken only when every entry fits: nothing overflows.
+        a.vp_offsets[0] = 0;
+        *a.vp_requested = vt;
+        *a.vp_num_valid = vt;
+        *a.vp_enable = 1;
+        if (vt > *a.vp_max_requested) *a.vp_max_requested = vt;
+        if (a.vp_input_errors != nullptr) *a.vp_input_errors += errors;
+        if (a.wp_offsets != nullptr) {
+            a.wp_offsets[0] = 0;
+            *a.wp_num_rows = a.bs;
+            if (a.wp_input_errors != nullptr) *a.wp_input_errors += errors;
+        }
+    }
+}
+
 // The whole plan in one launch (see the top of the file for the phases); with
 // kVerify, the fill checks each entry instead of writing it (plan_and_verify).
 template <bool kVerify, bool kFp, bool kScan>
 __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c) {
     __shared__ i64 sh[33];
-    __shared__ i64 s_row;
-    __shared__ int s_scan;
+    __shared__ i64 s_row, s_seed;
+    __shared__ int s_scan, s_last;
     __shared__ i64 s_phase;
+    __shared__ SmallRows s_small;
     i64* sync = a.sync;
     if constexpr (kVerify) {
         // The sampler's phase, read before any block can finish (the last one out advances it).
         if (threadIdx.x == 0)
             s_phase = c->sample_state != nullptr ? pmod(__ldcg(c->sample_state), c->period) : -1;
     }
-    i64 errors = 0;       // thread 0
-    bool scanner = false;  // thread 0
-    for (;;) {
-        if (threadIdx.x == 0) s_row = (i64)atomicAdd((u64*)(sync + SYNC_ROWS_CLAIMED), 1ULL);
-        __syncthreads();
-        const i64 r = s_row;
-        __syncthreads();  // every thread has r before thread 0 claims again
-        if (r >= a.bs) break;
-        plan_row(a, r, errors);
-        if (threadIdx.x == 0) {
-            __threadfence();  // the row's counts before its completion
-            scanner |= atomicAdd((u64*)(sync + SYNC_ROWS_DONE), 1ULL) == (u64)(a.bs - 1);
-        }
-    }
-    if (threadIdx.x == 0) {
-        if (errors != 0) {
-            if (a.vp_input_errors != nullptr) atomicAdd((u64*)a.vp_input_errors, (u64)errors);
-            if (a.wp_input_errors != nullptr) atomicAdd((u64*)a.wp_input_errors, (u64)errors);
-        }
-        s_scan = scanner || (a.bs == 0 && blockIdx.x == 0);
-    }
-    __syncthreads();
-    if (s_scan) {
-        __threadfence();
-        plan_scan(a, sh);
-        __threadfence();  // every thread's offsets before the flag
-        __syncthreads();
-        if (threadIdx.x == 0) atomicExch((u64*)(sync + SYNC_SCANNED), 1ULL);
-    }
+    u64 ticket = 0;  // thread 0, plan: the small route's first tile (unused on the other route)
+    if (!kVerify && threadIdx.x == 0) ticket = atomicAdd((u64*)(sync + SYNC_TILES_CLAIMED), 1ULL);
+    const bool small = small_rows(a, kVerify && c->digest != nullptr, s_small, sh);
     i64 checked = 0;
     __shared__ u64 s_digest[32];  // kVerify with c->digest: per warp, its entries' terms
     s_digest[threadIdx.x >> 5] = 0;  // before the barriers below
-    if (a.vp_offsets != nullptr) {
-        // Waits only on the scanning block, which is running: every row has been
-        // claimed by a running block before any block gets here.
-        // A plain (volatile) load, not an atomic: polling must not slow the atomics.
-        if (threadIdx.x == 0) {
-            unsigned ns = KVC_POLL_MIN_NS;
-            while (*(volatile i64*)(sync + SYNC_SCANNED) == 0) {
-                __nanosleep(ns);
-                ns = ns < KVC_POLL_MAX_NS / 2 ? 2 * ns : KVC_POLL_MAX_NS;
+    if (small) {
+        small_tiles<kVerify, kFp, kScan>(a, c, s_small, ticket, kVerify ? s_phase : -1, checked, sh);
+    } else {
+        i64 errors = 0;       // thread 0
+        bool scanner = false;  // thread 0
+        for (;;) {
+            if (threadIdx.x == 0) s_row = (i64)atomicAdd((u64*)(sync + SYNC_ROWS_CLAIMED), 1ULL);
+            __syncthreads();
+            const i64 r = s_row;
+            __syncthreads();  // every thread has r before thread 0 claims again
+            if (r >= a.bs) break;
+            plan_row(a, r, errors, &s_seed);
+            if (threadIdx.x == 0) {
+                __threadfence();  // the row's counts before its completion
+                scanner |= atomicAdd((u64*)(sync + SYNC_ROWS_DONE), 1ULL) == (u64)(a.bs - 1);
             }
         }
+        if (threadIdx.x == 0) {
+            if (errors != 0) {
+                if (a.vp_input_errors != nullptr) atomicAdd((u64*)a.vp_input_errors, (u64)errors);
+                if (a.wp_input_errors != nullptr) atomicAdd((u64*)a.wp_input_errors, (u64)errors);
+            }
+            s_scan = scanner || (a.bs == 0 && blockIdx.x == 0);
+        }
         __syncthreads();
-        __threadfence();
-        plan_fill<kVerify, kFp, kScan>(a, c, kVerify ? s_phase : -1, checked, &s_digest[threadIdx.x >> 5]);
+        if (s_scan) {
+            __threadfence();
+            plan_scan(a, sh);
+            __threadfence();  // every thread's offsets before the flag
+            __syncthreads();
+            if (threadIdx.x == 0) atomicExch((u64*)(sync + SYNC_SCANNED), 1ULL);
+        }
+        if (a.vp_offsets != nullptr) {
+            // Waits only on the scanning block, which is running: every row has been
+            // claimed by a running block before any block gets here.
+            // A plain (volatile) load, not an atomic: polling must not slow the atomics.
+            if (threadIdx.x == 0) {
+                unsigned ns = KVC_POLL_MIN_NS;
+                while (*(volatile i64*)(sync + SYNC_SCANNED) == 0) {
+                    __nanosleep(ns);
+                    ns = ns < KVC_POLL_MAX_NS / 2 ? 2 * ns : KVC_POLL_MAX_NS;
+                }
+            }
+            __syncthreads();
+            __threadfence();
+            plan_fill<kVerify, kFp, kScan>(a, c, kVerify ? s_phase : -1, checked, &s_digest[threadIdx.x >> 5]);
+        }
     }
     if constexpr (kVerify) {
         const i64 sum = block_sum(checked, sh);
@@ -473,39 +783,52 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
             if (sum != 0) atomicAdd((u64*)(c->counters + CTR_SLOTS_CHECKED), (u64)sum);
             if (blockIdx.x == 0) {
                 atomicAdd((u64*)(c->counters + CTR_KERNEL_RUNS), 1ULL);
-                // An overflowed plan checks nothing: count it, so it shows.
-                if (__ldcg(a.vp_enable) != 1) atomicAdd((u64*)(c->counters + CTR_VERIFIES_SKIPPED), 1ULL);
+                // An overflowed plan checks nothing: count it, so it shows. (The small route
+                // is taken only when nothing can overflow; its enable is written last.)
+                if (!small && __ldcg(a.vp_enable) != 1) atomicAdd((u64*)(c->counters + CTR_VERIFIES_SKIPPED), 1ULL);
             }
         }
     }
+    // The exit count in the low word; the small route's unreadable rows in the high word, so
+    // that the last block out learns of them from the same atomic.
+    __shared__ i64 s_invalid;
     if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd((u64*)(sync + SYNC_EXITED), 1ULL) == (u64)(gridDim.x - 1)) {
-            // The last block out: no block reads the state any more; ready the next launch.
-            sync[SYNC_ROWS_CLAIMED] = 0;
-            sync[SYNC_ROWS_DONE] = 0;
-            sync[SYNC_SCANNED] = 0;
-            sync[SYNC_EXITED] = 0;
-            if constexpr (kVerify) {
-                if (c->sample_state != nullptr) c->sample_state[0] = __ldcg(c->sample_state) + 1;
-                if (c->digest != nullptr) {
-                    // Each entry array's count term: num_valid, or 0 when the gate is shut.
-                    const i64 n = __ldcg(a.vp_enable) == 1 ? __ldcg(a.vp_num_valid) : 0;
-                    u64 d = (u64)atomicExch((u64*)(sync + SYNC_DIGEST), 0ULL);
-                    for (i64 k = 0; k < 4; ++k) d += mix3(ENTRY_DIGEST_SALT + k, -1, n);
-                    *c->digest = (i64)d;
-                }
+        const u64 mine = small ? (u64)s_small.invalid : 0;
+        const u64 before = atomicAdd((u64*)(sync + SYNC_EXITED), 1ULL + (mine << 32));
+        s_last = (before & 0xFFFFFFFFULL) == (u64)(gridDim.x - 1);
+        s_invalid = (i64)((before >> 32) + mine);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    // The last block out: no other block reads the state any more; ready the next launch.
+    __threadfence();
+    if (small) small_finish(a, s_small, s_invalid, sh);
+    if (threadIdx.x == 0) {
+        sync[SYNC_ROWS_CLAIMED] = 0;
+        sync[SYNC_TILES_CLAIMED] = 0;
+        sync[SYNC_ROWS_DONE] = 0;
+        sync[SYNC_SCANNED] = 0;
+        sync[SYNC_EXITED] = 0;
+        if constexpr (kVerify) {
+            if (c->sample_state != nullptr) c->sample_state[0] = __ldcg(c->sample_state) + 1;
+            if (c->digest != nullptr) {
+                // Each entry array's count term: num_valid, or 0 when the gate is shut.
+                const i64 n = __ldcg(a.vp_enable) == 1 ? __ldcg(a.vp_num_valid) : 0;
+                u64 d = (u64)atomicExch((u64*)(sync + SYNC_DIGEST), 0ULL);
+                for (i64 k = 0; k < 4; ++k) d += mix3(ENTRY_DIGEST_SALT + k, -1, n);
+                *c->digest = (i64)d;
             }
-            __threadfence();
         }
+        __threadfence();
     }
 }
 
-__global__ void __launch_bounds__(256) plan_step(PlanArgs a) { plan_body<false, false, false>(a, nullptr); }
+__global__ void __launch_bounds__(256, 4) plan_step(PlanArgs a) { plan_body<false, false, false>(a, nullptr); }
 
 // plan_and_verify: kFp with real-KV sources, kScan for a scan-chain canary.
 template <bool kFp, bool kScan>
-__global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) plan_verify_step(PlanVerifyArgs a) {
+__global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 3) plan_verify_step(PlanVerifyArgs a) {
     plan_body<true, kFp, kScan>(a.p, &a.c);
 }
 

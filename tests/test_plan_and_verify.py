@@ -58,6 +58,7 @@ def test_fused_step_equals_plan_then_verify(xp, device, seed):
     entry_digest = Digest([DigestRow(getattr(split.vp, f), count=split.vp.num_valid, gate=split.vp.enable, salt=salt)
                            for f, salt in zip(kc.VerifyPlan.ENTRY_FIELDS, fmt.ENTRY_DIGEST_SALTS)], out=oracle)
     digested = 0
+    with_digest = seed % 4 < 2  # with and without: a step asked for its digest is planned another way on a GPU
     for i, step in enumerate(wl.steps):
         if i % 3 == 2:  # a fault in a cached record, the same in both
             live = np.nonzero(host(fused.canary.records)[:, 1] != 0)[0]
@@ -73,22 +74,24 @@ def test_fused_step_equals_plan_then_verify(xp, device, seed):
         check_in = dict(tag=kc.LaunchTag.VERIFY, real_kv=fused.sources, real_kv_mode=mode, check_tokens=True)
         digest.fill(POISON)
         kc.plan_and_verify(fused.vp, fused.wp, fused.canary, expected=expected, log=fused.log, sample=samplers[0],
-                           digest=digest, **plan_in, **check_in)
+                           digest=digest if with_digest else None, **plan_in, **check_in)
         kc.plan(split.vp, split.wp, expected=expected, **plan_in)
-        entry_digest.run()
-        assert int(host(digest)[0]) == int(host(oracle)[0]) != POISON
+        if with_digest:
+            entry_digest.run()
+            assert int(host(digest)[0]) == int(host(oracle)[0]) != POISON
         kc.verify(split.canary, split.vp, log=split.log, sample=samplers[1], **{**check_in, "real_kv": split.sources})
         for r in runners:
             r.write(step)
         a, b = _state(fused), _state(split)
         assert a == b, [k for k in a if a[k] != b[k]]
-        digested = max(digested, int(host(split.vp.num_valid)[0]) if int(host(split.vp.enable)[0]) == 1 else 0)
+        if with_digest:
+            digested = max(digested, int(host(split.vp.num_valid)[0]) if int(host(split.vp.enable)[0]) == 1 else 0)
         if samplers[0] is not None:
             assert host(samplers[0].state).tolist() == host(samplers[1].state).tolist()
     if seed % 3 == 0:
         assert fused.log.counters()["verifies_skipped"] > 0
     else:
-        assert digested > 0  # some step's digest covered entries
+        assert digested > 0 or not with_digest  # some step's digest covered entries
         assert fused.log.counters()["slots_checked"] > 0 and fused.log.count > 0  # the faults were seen
 
 

@@ -44,7 +44,7 @@ PLAN_FIELDS = (
     "swa_size", "erows", "ewidth", "eoffset",
     "vp_slot", "vp_prev", "vp_epos", "vp_etok", "vp_offsets", "vp_num_valid", "vp_enable", "vp_requested",
     "vp_input_errors", "vp_overflows", "vp_max_requested", "vp_capacity", "vp_max_batch",
-    "wp_offsets", "wp_seeds", "wp_num_rows", "wp_input_errors", "wp_max_batch", "sync",
+    "wp_offsets", "wp_seeds", "wp_num_rows", "wp_input_errors", "wp_max_batch", "sync", "small_max",
 )
 WRITE_FIELDS = (
     "records", "num_slots", "offsets", "seeds", "num_rows", "position_check", "max_batch",
@@ -270,7 +270,10 @@ def _fold_table(sources, mode, dev: int, stream: int):
 
 
 # --- plan --------------------------------------------------------------------
-PLAN_SYNC_WORDS = 32  # plan.cu SYNC_WORDS: plan_step's launch state (256 bytes)
+PLAN_SYNC_WORDS = 288  # plan.cu SYNC_WORDS: plan_step's launch state
+# plan.cu's small route (a block decides a row's validity itself, no grid-wide wait) is
+# taken up to this many entries in a step; past it the rows-scan-fill phases are faster.
+SMALL_PLAN_ENTRIES = 1 << 18
 
 
 def _sync_state(owner, dev: int, stream: int) -> int:
@@ -296,7 +299,7 @@ def _plan_values(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, p
     widths = (_wide(req_pool_indices) | _wide(prefix_lens) << 1 | _wide(extend_lens) << 2 | _wide(table) << 3)
     v = dict(rpi=_ptr(req_pool_indices), pre=_ptr(prefix_lens), ext=_ptr(extend_lens), table=_ptr(table),
              bs=bs, nreq=table.shape[0], twidth=table.shape[1], page=page_size, lut_len=-1, erows=-1,
-             sync=_sync_state(owner, dev, stream))
+             sync=_sync_state(owner, dev, stream), small_max=SMALL_PLAN_ENTRIES)
     if swa is not None:
         v.update(lut=_ptr(swa.lut), lut_len=swa.lut.shape[0], swa_size=swa.size)
         widths |= _wide(swa.lut) << 4
