@@ -18,8 +18,9 @@ requests, deliver outputs). The adapter wraps, on the engine's instances:
   tokens or delivers anything;
 - the offloading manager, ``copy_cache``: records move with blocks
   (:mod:`.moves`);
-- ``mark_shareable_blocks_as_complete`` and the output router: a request the
-  canary cancelled never publishes its blocks to the prefix cache, and only its
+- ``mark_shareable_blocks_as_complete`` and the output router, from the first
+  request the canary cancels on (they run once per request of a step): a
+  cancelled request never publishes its blocks to the prefix cache, and only its
   failed result is delivered.
 
 Everything the monitors do runs on the engine's compute stream.
@@ -119,6 +120,7 @@ class EngineCanary:
         rows = 2 * self.max_batch + 1
         self.rows = RowPool(rows)
         self.groups = build_groups(cache, self.slot_map, rows=rows, max_len=self.max_len, device=self.device)
+        self._group_tables = [g.table for g in self.groups]
         self.steps = StepArrays(max_batch=self.max_batch, loc_groups=len(self.groups), device=self.device)
         self.expected = ExpectedTable(rows, min(self.max_len, 256), self.device, self.steps.device_view("valid"))
         self.upload = None if self.cpu else ChangeUpload(self.device, self.steps)
@@ -144,6 +146,7 @@ class EngineCanary:
         self._loc_copies = {} if self.cpu else {g.index: _loc_copies(self, g) for g in self.groups}
         self.moves = RecordMoves(self)
         self.failed: set = set()
+        self._holding_back = False  # whether the hooks that hold back failed requests are installed
         self.step = 0
         self.open = False
         self.cancelled = 0
@@ -166,9 +169,17 @@ class EngineCanary:
         h.wrap(om, "_offload_to_cpu", self._offload_hook)
         h.wrap(om, "restore_scheduled_requests", self._restore_hook)
         h.wrap(bp.cache, "copy_cache", self._copy_hook)
+
+    def _hold_back_failed(self) -> None:
+        """Once a request failed: keep its blocks from the prefix cache and drop its later outputs.
+        Installed then, not before: these run once per request of every step."""
+        if self._holding_back:
+            return
+        bp, h = self.bp, self.hooks
         h.wrap(bp.cache, "mark_shareable_blocks_as_complete", self._complete_hook)
         h.wrap(bp.output_router, "deliver", self._deliver_hook)
         h.wrap(bp.output_router, "deliver_batch", self._deliver_batch_hook)
+        self._holding_back = True
 
     def _run(self, fn, *args):
         """Run a hook body under the watch's lock, timed; an error is recorded, then raised in the engine."""
@@ -221,6 +232,8 @@ class EngineCanary:
 
     def _restore_hook(self, orig):
         def restore_scheduled_requests(requests_in_batch):
+            if not self.moves.saved:  # no records wait on the host: nothing to bring back
+                return orig(requests_in_batch)
             states = [fs.state for fs in requests_in_batch if fs.state.is_cpu_offloaded]
             out = orig(requests_in_batch)
             if states:
@@ -286,7 +299,7 @@ class EngineCanary:
             if fast:
                 self.steps.loc[g.index][:bs] = g.step_slots(pre)
         if not self.cpu:  # one launch: the step rows and every table's changes
-            self.upload.flush([g.table for g in self.groups] + [self.expected.table], stream=self.ptr)
+            self.upload.flush(self._group_tables + [self.expected.table], stream=self.ptr)
         self.step += 1
         tags = request_tags(rids, self.step)
         exp = self.expected.tokens()
@@ -382,6 +395,7 @@ class EngineCanary:
             return False
         self.bp.output_router.fail_and_deliver(state, RuntimeError(cancel_message(found)))
         self.failed.add(request_id)
+        self._hold_back_failed()
         self.manager.cancel_request(request_id)
         self.cancelled += 1
         return True

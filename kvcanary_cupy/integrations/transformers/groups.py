@@ -58,7 +58,7 @@ class LayerGroup:
         self.loc = None  # the canary slots the step wrote (the monitor's bound out_cache_loc)
         rows = table.host.shape[0]
         self._seen: list = [None] * rows  # per row: a copy of the block list the row was written from
-        self._lo, self._hi = [0] * rows, [0] * rows  # sliding: the positions [lo, hi) each row holds
+        self._prefix = [0] * rows  # sliding: the prefix each row's window was written for (see _window)
         self._step_rows: list = []
 
     @property
@@ -125,20 +125,39 @@ class LayerGroup:
             owner, cols = spans(have, need)
             self.table.put(rows[owner], cols, 0)
 
+    def _window(self, prefix: int) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` a sliding group's row holds before writing ``prefix``."""
+        lo = prefix - self.window if prefix > self.window else 0
+        return lo, max(min(prefix, self.table.width), lo)
+
     def _fill_windows(self, rows: list, lists: list, prefix: list) -> None:
         """Sliding group: each row holds the slots of positions ``[prefix - window, prefix)``, 0 elsewhere.
 
         A row whose block list is unchanged and whose window moved a little gets the
-        positions that left (0) and entered (their slots); the others are rewritten.
+        positions that left (0) and entered (their slots); the others are rewritten. The
+        common step, a window one position further (a decode step), is written inline:
+        the position the previous step wrote enters, and once the window is full the one
+        ``window`` before it leaves (both at the same ring index).
         """
-        seen, los, his = self._seen, self._lo, self._hi
+        seen, at = self._seen, self._prefix
         w, width = self.window, self.table.width
+        bs, shift = self.slot_map.block_size, self.slot_map.shift
         flat, values, stale = [], [], []
         for i, (row, blocks, p) in enumerate(zip(rows, lists, prefix)):
-            lo = p - w if p > w else 0
-            hi = max(min(p, width), lo)
-            old_lo, old_hi = los[row], his[row]
             same = blocks == seen[row]
+            if same and at[row] == p - 1 and p <= width:
+                k, off = divmod((p - 1) % w, bs)
+                if k < len(blocks):
+                    base = row * width + p - 1
+                    flat.append(base)
+                    values.append(blocks[k] * bs + off + shift)
+                    if p > w:
+                        flat.append(base - w)
+                        values.append(0)
+                    at[row] = p
+                    continue
+            lo, hi = self._window(p)
+            old_lo, old_hi = self._window(at[row])
             if same and lo == old_lo and hi == old_hi:
                 continue
             if not same or abs(lo - old_lo) + abs(hi - old_hi) > _SLIDE_MAX:
@@ -151,7 +170,7 @@ class LayerGroup:
             for pos in (*range(lo, min(hi, old_lo)), *range(max(lo, old_hi), hi)):  # entered it
                 flat.append(base + pos)
                 values.append(self._ring_slot(blocks, pos))
-            los[row], his[row] = lo, hi
+            at[row] = p
         if flat:
             self.table.put_list(flat, values)
         if stale:
@@ -160,20 +179,23 @@ class LayerGroup:
     def _write_windows(self, rows: list, lists: list, prefix: list) -> None:
         """Rewrite whole windows: 0 where a row's previous window no longer reaches, the slots of the new one."""
         blocks, first, count = flatten(lists)
-        rows, prefix = np.array(rows, dtype=np.int64), np.array(prefix, dtype=np.int64)
-        width = self.table.width
-        lo, hi = np.maximum(prefix - self.window, 0), np.minimum(prefix, width)
-        old_lo = np.array([self._lo[r] for r in rows.tolist()], dtype=np.int64)
-        old_hi = np.array([self._hi[r] for r in rows.tolist()], dtype=np.int64)
+        old_lo, old_hi = self._windows([self._prefix[r] for r in rows])
+        lo, hi = self._windows(prefix)
+        for r, blk, p in zip(rows, lists, prefix):
+            self._prefix[r] = p
+            self._seen[r] = list(blk)
+        rows = np.array(rows, dtype=np.int64)
         for a, b in ((old_lo, np.minimum(old_hi, lo)), (np.maximum(old_lo, hi), old_hi)):
             owner, cols = spans(a, b)  # positions that left the window
             self.table.put(rows[owner], cols, 0)
         owner, pos = spans(lo, hi)
         self.table.put(rows[owner], pos, self._ring_slots(blocks, first[owner], count[owner], pos))
-        hi = np.maximum(hi, lo)
-        for r, blk, a, b in zip(rows.tolist(), lists, lo.tolist(), hi.tolist()):
-            self._lo[r], self._hi[r] = a, b
-            self._seen[r] = list(blk)
+
+    def _windows(self, prefix) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_window` of each prefix, as int64 arrays ``(lo, hi)``."""
+        prefix = np.asarray(prefix, dtype=np.int64)
+        lo = np.maximum(prefix - self.window, 0)
+        return lo, np.maximum(np.minimum(prefix, self.table.width), lo)
 
     def _ring_slot(self, blocks: list, position: int) -> int:
         """:meth:`_ring_slots` of one position, in plain Python."""
@@ -215,9 +237,10 @@ class LayerGroup:
     def forget_rows(self) -> None:
         """The engine reset its requests: clear every sliding window a row still points at, and
         forget the block lists, so every row is rewritten at its next fill."""
-        owner, cols = spans(self._lo, self._hi)
-        self.table.put(owner, cols, 0)
-        self._lo[:] = self._hi[:] = [0] * len(self._lo)
+        if self.sliding:
+            owner, cols = spans(*self._windows(self._prefix))
+            self.table.put(owner, cols, 0)
+        self._prefix[:] = [0] * len(self._prefix)
         self._seen[:] = [None] * len(self._seen)
         self._step_rows = []
 

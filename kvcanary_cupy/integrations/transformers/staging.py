@@ -4,22 +4,26 @@ On the CPU the monitors read host arrays directly and nothing travels. On CUDA t
 host writes pinned buffers and one kernel launch on the engine's compute stream reads
 them in place, ordered before the monitors' launches that read its results; a buffer
 is written again only once that launch is done (an event after it). Buffers, the
-launch and the event are made once and reused.
+launch and the event are made once and reused: the launch targets every table each
+step (a table without changes gets an empty range), so it is made again only when a
+table is replaced (the expected tokens' table widening).
 """
 from __future__ import annotations
 
 import array
+import operator
 
 import numpy as np
 
 from .tables import as_ints
 
 _BATCH = ("rows", "prefix", "extend", "valid")
+_ARRAY = operator.attrgetter("array")
 
 
-def _write(buf: memoryview, values) -> None:
-    """``buf[:len(values)] = values`` for a memoryview of int64: one C-level copy from Python ints."""
-    buf[:len(values)] = array.array(buf.format, as_ints(values))
+def _write(buf: memoryview, values, at: int = 0) -> None:
+    """``buf[at:at + len(values)] = values`` for a memoryview of ints: one C-level copy from Python ints."""
+    buf[at:at + len(values)] = array.array(buf.format, as_ints(values))
 
 
 def _frozen(values) -> tuple:
@@ -75,12 +79,14 @@ class StepArrays:
         """
         rows_buf, prefix_buf, extend_buf, valid_buf = self._batch
         rows, extend = _frozen(rows), _frozen(extend)
-        if rows != self._last[0]:
-            _write(rows_buf, rows)
-        if extend != self._last[1]:
-            _write(extend_buf, extend)
-        _write(prefix_buf, prefix)
-        _write(valid_buf, valid)
+        last_rows, last_extend = self._last
+        word, n = rows_buf.format, len(rows)  # one C-level copy each, from Python ints
+        if rows is not last_rows and rows != last_rows:
+            rows_buf[:n] = array.array(word, rows)
+        if extend != last_extend:
+            extend_buf[:n] = array.array(word, extend)
+        prefix_buf[:n] = array.array(word, as_ints(prefix))
+        valid_buf[:n] = array.array(word, as_ints(valid))
         self._last = (rows, extend)
 
     @property
@@ -116,14 +122,24 @@ class ChangeUpload:
         self.steps = steps
         self._cap = 0
         self._event = None
+        self._in_flight = False  # a launch may still read the pinned buffers
         self._launcher = None  # HostUpdates for the current tables
-        self._targets = None  # their arrays' ids
-        self._target_arrays = ()
+        self._target_arrays = ()  # their arrays, held: a launch writes to their addresses
+        self._max_targets = 0  # tables one launch takes
+        self._copy_words = steps.words if steps is not None and self.cuda else 0
+        if self.cuda:
+            import cupy  # noqa: PLC0415
+
+            from ...backends.cuda import MAX_UPDATE_TARGETS  # noqa: PLC0415
+
+            self._max_targets = MAX_UPDATE_TARGETS
+            self._record_event, self._current_stream = cupy.cuda.runtime.eventRecord, cupy.cuda.get_current_stream
 
     def wait_reusable(self) -> None:
         """Before the host writes the step rows or queues changes: the previous launch has read them."""
-        if self._event is not None:
+        if self._in_flight:
             self._event.synchronize()
+            self._in_flight = False
 
     def _reserve(self, n: int) -> None:
         """Room for ``n`` changes: ``n`` int64 indices and ``n`` int32 values (``ceil(n / 2)`` int64 words)."""
@@ -142,6 +158,8 @@ class ChangeUpload:
             self._host = self._pinned.numpy()
             self._dev = torch.empty(words, dtype=torch.int64, device=self.device)
         self._host32 = self._host.view(np.int32)
+        self._index_words = memoryview(self._host)[:self._cap]  # Python int lists go in through these
+        self._value_words = memoryview(self._host32)[2 * self._cap:]
         self._host_address = self._host.ctypes.data
         self._launcher = None
 
@@ -149,55 +167,82 @@ class ChangeUpload:
         """Apply the pending changes of ``tables`` (and, on CUDA, copy the step rows) on the
         device, on ``stream`` (a raw CUDA stream; else the current stream); returns how many
         entries moved."""
-        pending = [(t, t.take()) for t in tables if not t.cpu]
-        pending = [(t, c) for t, c in pending if c is not None]
-        total = sum(len(c[0]) for _, c in pending)
+        tables = [t for t in tables if not t.cpu]
+        changes = [t.take() for t in tables]
+        total = sum(len(c[0]) for c in changes if c is not None)
         if total == 0 and not (self.cuda and self.steps is not None):
             return 0
-        self.wait_reusable()
-        self._reserve(max(total, 1))
+        if self._in_flight:
+            self.wait_reusable()
+        if total > self._cap or not self._cap:
+            self._reserve(max(total, 1))
         at = 0
         ends = []
-        for _, (idx, val) in pending:
-            n = len(idx)
-            self._host[at:at + n] = idx
-            self._host32[2 * self._cap + at:2 * self._cap + at + n] = val
-            at += n
+        for change in changes:
+            if change is not None:
+                at = self._stage(*change, at)
             ends.append(at)
-        if self.cuda:
-            self._launch([t for t, _ in pending], ends, stream)
+        if not self.cuda:
+            self._torch_scatter(tables, changes, ends)
+        elif len(tables) <= self._max_targets:  # every table: the launch stays the same from step to step
+            self._launch(tables, ends, stream)
         else:
-            self._torch_scatter(pending, total)
+            self._launch(*self._changed_only(tables, changes, ends), stream)
         return total
+
+    def _stage(self, idx, values, at: int) -> int:
+        """Put one table's changes in the pinned buffers from ``at``; returns where the next one starts."""
+        n = len(idx)
+        if isinstance(idx, list):
+            _write(self._index_words, idx, at)
+            _write(self._value_words, values, at)
+        else:
+            self._host[at:at + n] = idx
+            self._host32[2 * self._cap + at:2 * self._cap + at + n] = values
+        return at + n
+
+    def _changed_only(self, tables: list, changes: list, ends: list) -> tuple[list, list]:
+        """``(tables, ends)`` of the tables that changed: the targets when there are more tables
+        than a launch takes."""
+        most = self._max_targets
+        changed = [i for i, c in enumerate(changes) if c is not None]
+        if len(changed) > most:
+            raise ValueError(f"kvcanary: {len(changed)} tables changed in one step; at most {most}")
+        return [tables[i] for i in changed], [ends[i] for i in changed]
 
     def _launch(self, tables, ends, stream) -> None:
         """One HostUpdates launch on ``stream``: the step rows, then each table's changes."""
+        arrays = tuple(map(_ARRAY, tables))
+        held = self._target_arrays
+        if self._launcher is None or len(arrays) != len(held) or not all(map(operator.is_, arrays, held)):
+            self._make_launcher(arrays)
+        ptr = int(stream) if stream is not None else self._current_stream().ptr
+        self._launcher(copy_words=self._copy_words, index=self._host_address,
+                       value=self._host_address + 8 * self._cap, ends=ends, stream=ptr)
+        self._record_event(self._event.ptr, ptr)
+        self._in_flight = True
+
+    def _make_launcher(self, arrays: tuple) -> None:
+        """The HostUpdates launch (and its event) for the step rows and the tables' ``arrays``."""
         import cupy  # noqa: PLC0415
 
-        arrays = tuple(t.array for t in tables)
-        if self._launcher is None or self._targets != tuple(map(id, arrays)):
-            from ...backends.cuda import MAX_UPDATE_TARGETS, HostUpdates  # noqa: PLC0415
+        from ...backends.cuda import HostUpdates  # noqa: PLC0415
 
-            if len(arrays) > MAX_UPDATE_TARGETS:
-                raise ValueError(f"kvcanary: {len(arrays)} tables changed in one step; at most {MAX_UPDATE_TARGETS}")
-            dev = int(self.device.split(":")[1])
-            steps = self.steps
-            self._launcher = HostUpdates(words=steps.pinned_address if steps else 0,
-                                         copy_to=steps.device_address if steps else 0,
-                                         targets=[(a.data_ptr(), a.numel()) for a in arrays], device=dev)
-            self._targets, self._target_arrays = tuple(map(id, arrays)), arrays  # held: their ids stay theirs
-            if self._event is None:
-                with cupy.cuda.Device(dev):
-                    self._event = cupy.cuda.Event(disable_timing=True)
-        ptr = int(stream) if stream is not None else cupy.cuda.get_current_stream().ptr
-        self._launcher(copy_words=self.steps.words if self.steps else 0, index=self._host_address,
-                       value=self._host_address + 8 * self._cap, ends=ends, stream=ptr)
-        cupy.cuda.runtime.eventRecord(self._event.ptr, ptr)
+        dev = int(self.device.split(":")[1])
+        steps = self.steps
+        self._launcher = HostUpdates(words=steps.pinned_address if steps else 0,
+                                     copy_to=steps.device_address if steps else 0,
+                                     targets=[(a.data_ptr(), a.numel()) for a in arrays], device=dev)
+        self._target_arrays = arrays
+        if self._event is None:
+            with cupy.cuda.Device(dev):
+                self._event = cupy.cuda.Event(disable_timing=True)
 
-    def _torch_scatter(self, pending, total: int) -> None:
+    def _torch_scatter(self, tables, changes, ends) -> None:
         """The same with torch ops on the current stream (a non-CUDA torch device)."""
         import torch  # noqa: PLC0415
 
+        total = ends[-1]
         words = total + (total + 1) // 2
         dev = self._dev[:words]
         dev[:total].copy_(self._pinned[:total])
@@ -205,7 +250,7 @@ class ChangeUpload:
         dev[total:].copy_(vals)
         values = dev[total:].view(torch.int32)
         at = 0
-        for t, (idx, _) in pending:
-            n = len(idx)
-            t.array.view(-1).index_copy_(0, dev[at:at + n], values[at:at + n])
-            at += n
+        for t, change, end in zip(tables, changes, ends):
+            if change is not None:
+                t.array.view(-1).index_copy_(0, dev[at:end], values[at:end])
+            at = end

@@ -24,6 +24,13 @@ import numpy as np
 # Up to this many entries a table change is written entry by entry (see MirroredTable.put_list).
 _FEW = 256
 
+_ROW, _OWNER = operator.itemgetter(0), operator.itemgetter(1)  # of a RowPool entry (row, state)
+
+
+def consume(iterator) -> None:
+    """Run ``iterator`` to its end, keeping nothing: ``consume(map(f, xs))`` calls ``f`` on each in C."""
+    collections.deque(iterator, maxlen=0)
+
 
 def spans(starts, stops) -> tuple[np.ndarray, np.ndarray]:
     """The integers ``[starts[i], stops[i])`` of every ``i``, concatenated: ``(i of each, value)``.
@@ -110,7 +117,9 @@ class RowPool:
         A step that schedules the very same state objects in the same order as the step
         before (a steady decode) gets the same rows without touching the pool: acquiring
         them again would move them to the most recently used end, in that order, which is
-        where they already are.
+        where they already are. A step whose states all hold rows already (requests left
+        the batch or changed places) moves them there in C; only a step with a state new
+        to the pool acquires one state at a time.
 
         Example::
 
@@ -122,6 +131,10 @@ class RowPool:
         last_states, last_rows = self._last
         if len(states) == len(last_states) and all(map(operator.is_, states, last_states)):
             return last_rows, (False,) * len(states)
+        rows = self._rows_held(states)
+        if rows is not None:
+            self._last = (tuple(states), rows)
+            return rows, (False,) * len(states)
         busy: set = set()
         rows, fresh = [], []
         for st in states:
@@ -132,6 +145,16 @@ class RowPool:
         rows = tuple(rows)
         self._last = (tuple(states), rows)
         return rows, tuple(fresh)
+
+    def _rows_held(self, states: list) -> tuple | None:
+        """The rows of ``states`` when every one of them holds its row already (a batch that
+        lost or reordered requests), else None; what :meth:`acquire` of each would do, in C."""
+        keys = list(map(id, states))
+        held = list(map(self._owner.get, keys))
+        if not all(held) or not all(map(operator.is_, map(_OWNER, held), states)):
+            return None
+        consume(map(self._owner.move_to_end, keys))  # most recently used, in batch order
+        return tuple(map(_ROW, held))
 
     def acquire(self, state, busy: set) -> tuple[int, bool]:
         """``(row, fresh)``: the row of ``state``; ``fresh`` when it was just (re)assigned."""
@@ -236,18 +259,25 @@ class MirroredTable:
             self._idx.append(idx)
 
     def take(self):
-        """The pending changes ``(flat indices int64, values int32)`` since the last take, or None.
+        """The pending changes ``(flat indices, values)`` since the last take, or None: Python
+        int lists when every change since came entry by entry (:meth:`put_list`), else
+        arrays (int64 indices, int32 values).
 
         An entry changed twice travels once, with its final value (a scatter with repeated
         indices keeps an arbitrary one of them on a GPU).
         """
-        if not self._idx:
+        pending = self._idx
+        if not pending:
             return None
-        if len(self._idx) > 1:
-            idx = np.unique(np.concatenate([np.asarray(i, dtype=np.int64) for i in self._idx]))
-        else:
-            idx = np.asarray(self._idx[0], dtype=np.int64)
-        self._idx.clear()
+        if len(pending) == 1 and isinstance(pending[0], list):  # a decode step's
+            idx = pending.pop()
+            return idx, list(map(self._flat.__getitem__, idx))
+        if all(isinstance(i, list) for i in pending):
+            idx = list(dict.fromkeys(itertools.chain.from_iterable(pending)))
+            pending.clear()
+            return idx, list(map(self._flat.__getitem__, idx))
+        idx = np.unique(np.concatenate([np.asarray(i, dtype=np.int64) for i in pending]))
+        pending.clear()
         return idx, self.host.reshape(-1)[idx]
 
 
@@ -317,11 +347,12 @@ class ExpectedTable:
             f = 0 if new else filled[row]
             if e == f + 1:  # one position (every decode step): its token, -1 while not sampled yet
                 init = st.initial_tokens
-                if f < len(init):
+                k = f - len(init)  # its index in the generated tokens
+                if k < 0:
                     values.append(init[f])
                     filled[row] = e
                 else:
-                    gen, k = st.generated_tokens, f - len(init)
+                    gen = st.generated_tokens
                     if k < len(gen):
                         values.append(gen[k])
                         filled[row] = e

@@ -9,7 +9,6 @@ engine's cache row.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 from typing import NamedTuple
@@ -28,19 +27,16 @@ class RequestTag(NamedTuple):
     step: int
 
 
-# What RequestTag(rid, step) does, without its Python-level __new__: a step tags every request.
-_make_tag = functools.partial(tuple.__new__, RequestTag)
-
-
 def request_tags(request_ids: list, step: int) -> list:
-    """``[RequestTag(rid, step) for rid in request_ids]``, built without a Python loop.
+    """``[RequestTag(rid, step) for rid in request_ids]``, built without a Python loop: what
+    ``RequestTag(rid, step)`` does, without its Python-level ``__new__`` (a step tags every request).
 
     Example::
 
         >>> request_tags(["a", "b"], 3)
         [RequestTag(request_id='a', step=3), RequestTag(request_id='b', step=3)]
     """
-    return list(map(_make_tag, zip(request_ids, itertools.repeat(step))))
+    return list(map(tuple.__new__, itertools.repeat(RequestTag), zip(request_ids, itertools.repeat(step))))
 
 
 @dataclasses.dataclass(frozen=True)
