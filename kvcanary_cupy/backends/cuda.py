@@ -450,18 +450,22 @@ class HostUpdates:
         rt = _runtime()
         self._launch = _Launch(UPDATE_FIELDS, rt.function("scatter", "kvc::apply_updates", device), device, v,
                                self.GRID)
-        self._buf, self._at = self._launch.buf, self._launch.index
+        # Called every step: the argument words are set through a memoryview (a fraction of
+        # NumPy's per-item cost) at indices looked up once.
+        self._words = memoryview(self._launch.buf)
+        at = self._launch.index
+        self._scalars = tuple(at[f] for f in ("copy_words", "shift", "index", "value", "count"))
+        self._ends = tuple(at[f"end{t}"] for t in range(MAX_UPDATE_TARGETS))
 
     def __call__(self, *, copy_words: int, stream: int, shift: int = 0, index: int = 0, value: int = 0,
                  ends=()) -> None:
-        buf, at = self._buf, self._at
-        buf[at["copy_words"]], buf[at["shift"]] = copy_words, shift
-        buf[at["index"]], buf[at["value"]] = index, value
-        count = 0
-        for t in range(MAX_UPDATE_TARGETS):
-            count = ends[t] if t < len(ends) else count
-            buf[at[f"end{t}"]] = count
-        buf[at["count"]] = count
+        words = self._words
+        n = min(len(ends), MAX_UPDATE_TARGETS)
+        count = ends[n - 1] if n else 0
+        for i, x in zip(self._scalars, (copy_words, shift, index, value, count)):
+            words[i] = x
+        for t, i in enumerate(self._ends):
+            words[i] = ends[t] if t < len(ends) else count
         self._launch(stream)
 
 
