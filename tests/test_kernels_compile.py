@@ -173,6 +173,14 @@ def test_warp_row_limit_matches_backend():
     assert int(value) == cuda_backend.WARP_ROW_MAX
 
 
+def test_small_plan_bounds_match_backend():
+    """The bounds of plan.cu's small route, which the GPU tests of plan sizes sit on either side of."""
+    text = (cuda_sources.kernels_dir() / "plan.cu").read_text()
+    (rows,) = re.findall(r"^inline constexpr int SMALL_ROWS = (\d+);", text, re.M)
+    (positions,) = re.findall(r"^inline constexpr i64 SMALL_ROW_MAX = (\d+);", text, re.M)
+    assert (int(rows), int(positions)) == (cuda_backend.SMALL_PLAN_ROWS, cuda_backend.SMALL_PLAN_ROW_POSITIONS)
+
+
 @pytest.mark.parametrize("file,struct,fields", [
     ("plan.cu", "PlanArgs", cuda_backend.PLAN_FIELDS),
     ("plan.cu", "CheckArgs", cuda_backend.CHECK_FIELDS),

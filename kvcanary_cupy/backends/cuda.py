@@ -274,6 +274,9 @@ PLAN_SYNC_WORDS = 288  # plan.cu SYNC_WORDS: plan_step's launch state
 # plan.cu's small route (a block decides a row's validity itself, no grid-wide wait) is
 # taken up to this many entries in a step; past it the rows-scan-fill phases are faster.
 SMALL_PLAN_ENTRIES = 1 << 18
+# ... and only by steps of at most SMALL_PLAN_ROWS rows (plan.cu SMALL_ROWS), none reading
+# more than SMALL_PLAN_ROW_POSITIONS positions (plan.cu SMALL_ROW_MAX).
+SMALL_PLAN_ROWS, SMALL_PLAN_ROW_POSITIONS = 256, 8192
 
 
 def _sync_state(owner, dev: int, stream: int) -> int:

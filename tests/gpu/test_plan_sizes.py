@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.backends.cuda import SMALL_PLAN_ROW_POSITIONS as SMALL_ROW_POSITIONS
+from kvcanary_cupy.backends.cuda import SMALL_PLAN_ROWS as SMALL_ROWS
 
 pytestmark = pytest.mark.gpu
-
-SMALL_ROWS, SMALL_ROW_POSITIONS = 256, 8192  # the bounds, as the docstring gives them
 
 
 @pytest.fixture(scope="module")
