@@ -3,7 +3,9 @@
 ``model.generate_batch`` on a Llama of hidden size 2048 and 16 layers with random bf16
 weights, greedy, at batch 1, 8 and 64: decode tokens/s without and with
 ``kvcanary_cupy.integrations.transformers.watch``, the median of several runs each
-(alternating), the overhead, and the canary's own cost per step: host time (the
+(alternating), the overhead from those medians and as the median of each pair of runs
+(a run without, then one with: a drift of the engine's speed over the runs cancels within
+a pair), and the canary's own cost per step: host time (the
 watch's hooks, monitor calls included, timed by the watch itself) and its share of a
 step without the canary. This engine synchronizes the host with the device every
 step, so that host time is added to the step whole: its share is the overhead, free of
@@ -209,32 +211,35 @@ def main(argv=None) -> int:
                                           **extra)
         one_run(model, prompts, gen, config, canary=False, device=args.device)  # warm-up (allocator, kernels)
         one_run(model, prompts, gen, config, canary=True, device=args.device)
-        plain, watched, host = [], [], []
+        plain, watched, host, pairs = [], [], [], []
         for _ in range(runs):
             plain.append(one_run(model, prompts, gen, config, canary=False, device=args.device)[0])
             rate, _, h, _, _, _ = one_run(model, prompts, gen, config, canary=True, device=args.device)
             watched.append(rate)
             host.append(h)
+            pairs.append(100.0 * (plain[-1] - rate) / plain[-1] if plain[-1] else float("nan"))
             print(f"batch {batch}: {plain[-1]:.1f} / {watched[-1]:.1f} tok/s, canary host {h:.0f} us/step",
                   file=sys.stderr)
         _, _, _, adapter, dev, _ = one_run(model, prompts, gen, config, canary=True, device=args.device, split=True)
         p, w = statistics.median(plain), statistics.median(watched)
         step_ms = 1e3 * batch / p if p else float("nan")
         h = statistics.median(host)
-        rows.append((batch, p, w, 100.0 * (p - w) / p if p else float("nan"), h, 0.1 * h / step_ms, adapter, dev,
-                     step_ms))
+        rows.append((batch, p, w, 100.0 * (p - w) / p if p else float("nan"), statistics.median(pairs), h,
+                     0.1 * h / step_ms, adapter, dev, step_ms))
 
     cmd = "python -m bench.transformers_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
     model_name = "tiny model (dry run)" if small else "Llama 2048 x 16 layers, bf16"
     print(f"\nDecode throughput of generate_batch, {model_name}"
           f", prompt {plen}, {new} new tokens, median of {runs} runs, device {args.device}"
           f"{', CUDA graphs' if args.cuda_graphs else ''} ({time.strftime('%Y-%m-%d')}; `{cmd.strip()}`)\n")
-    print("| batch | tokens/s without | tokens/s with canary | overhead (tokens/s) | canary host us/step | "
-          "canary host / step | of which adapter us/step | canary span on the stream us/step | step ms without |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for b, p, w, ov, h, share, a, d, ms in rows:
+    print("| batch | tokens/s without | tokens/s with canary | overhead (tokens/s) | overhead, median of pairs | "
+          "canary host us/step | canary host / step | of which adapter us/step | canary span on the stream us/step | "
+          "step ms without |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b, p, w, ov, pov, h, share, a, d, ms in rows:
         dev = "-" if d != d else f"{d:.0f}"  # no CUDA events on the CPU
-        print(f"| {b} | {p:.1f} | {w:.1f} | {ov:+.2f} % | {h:.0f} | {share:.2f} % | {a:.0f} | {dev} | {ms:.2f} |")
+        print(f"| {b} | {p:.1f} | {w:.1f} | {ov:+.2f} % | {pov:+.2f} % | {h:.0f} | {share:.2f} % | {a:.0f} | {dev} "
+              f"| {ms:.2f} |")
     return 0
 
 
