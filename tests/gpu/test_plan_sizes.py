@@ -18,6 +18,7 @@ import pytest
 import kvcanary_cupy as kc
 from kvcanary_cupy.backends.cuda import SMALL_PLAN_ROW_POSITIONS as SMALL_ROW_POSITIONS
 from kvcanary_cupy.backends.cuda import SMALL_PLAN_ROWS as SMALL_ROWS
+from tests.workloads import host
 
 pytestmark = pytest.mark.gpu
 
@@ -27,10 +28,6 @@ def cp():
     import cupy  # noqa: PLC0415
 
     return cupy
-
-
-def _host(a):
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def _step(rng, bs: int, prefix: int, *, long_row: int | None = None, spoil: bool = True) -> dict:
@@ -76,11 +73,11 @@ def _run(xp, device, s, *, capacity: int, fused: bool, records):
     else:
         kc.plan(vp, wp, **rows)
         kc.verify(canary, vp, log=log, tag=3)
-    out = {f: _host(getattr(vp, f)).tolist() for f in kc.VerifyPlan.SCALAR_FIELDS + ("offsets",)}
+    out = {f: host(getattr(vp, f)).tolist() for f in kc.VerifyPlan.SCALAR_FIELDS + ("offsets",)}
     if not fused:
-        n = int(_host(vp.num_valid)[0])
-        out.update({f: _host(getattr(vp, f))[:n].tolist() for f in kc.VerifyPlan.ENTRY_FIELDS})
-    out.update({"wp." + f: _host(getattr(wp, f)).tolist() for f in kc.WritePlan.FIELDS})
+        n = int(host(vp.num_valid)[0])
+        out.update({f: host(getattr(vp, f))[:n].tolist() for f in kc.VerifyPlan.ENTRY_FIELDS})
+    out.update({"wp." + f: host(getattr(wp, f)).tolist() for f in kc.WritePlan.FIELDS})
     out["rows"] = sorted(tuple(int(x) for x in r) for r in log.rows())
     out["counters"] = log.counters()
     return out
@@ -144,7 +141,7 @@ def test_repeated_steps_leave_nothing_behind(cp):
             else:
                 kc.plan(vp, wp, **rows)
                 kc.verify(canary, vp, log=log, tag=i)
-            outs[name] = ({f: _host(getattr(vp, f)).tolist() for f in kc.VerifyPlan.SCALAR_FIELDS + ("offsets",)},
-                          {f: _host(getattr(wp, f)).tolist() for f in kc.WritePlan.FIELDS},
+            outs[name] = ({f: host(getattr(vp, f)).tolist() for f in kc.VerifyPlan.SCALAR_FIELDS + ("offsets",)},
+                          {f: host(getattr(wp, f)).tolist() for f in kc.WritePlan.FIELDS},
                           sorted(tuple(int(x) for x in r) for r in log.rows()), log.counters())
         assert outs["dev"] == outs["ref"], f"step {i}"
