@@ -172,10 +172,8 @@ class ChangeUpload:
         total = sum(len(c[0]) for c in changes if c is not None)
         if total == 0 and not (self.cuda and self.steps is not None):
             return 0
-        if self._in_flight:
-            self.wait_reusable()
-        if total > self._cap or not self._cap:
-            self._reserve(max(total, 1))
+        self.wait_reusable()
+        self._reserve(max(total, 1))
         at = 0
         ends = []
         for change in changes:
