@@ -195,6 +195,50 @@ __device__ __forceinline__ T block_sum(T v, T* scratch) {
     return total;
 }
 
+// Inclusive prefix sum of v over the block; `total` gets the block's sum in every
+// thread. Every thread must call it; `scratch` holds a value per warp.
+__device__ __forceinline__ i64 block_scan(i64 v, i64* scratch, i64& total) {
+    const unsigned lane = lane_id(), w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    i64 incl = v;
+    for (int d = 1; d < 32; d <<= 1) {
+        const i64 x = __shfl_up_sync(FULL_MASK, incl, d);
+        if ((int)lane >= d) incl += x;
+    }
+    __syncthreads();  // a previous use of scratch is over
+    if (lane == 31) scratch[w] = incl;
+    __syncthreads();
+    if (w == 0) {
+        i64 x = lane < nw ? scratch[lane] : 0;
+        for (int d = 1; d < 32; d <<= 1) {
+            const i64 y = __shfl_up_sync(FULL_MASK, x, d);
+            if ((int)lane >= d) x += y;
+        }
+        if (lane < nw) scratch[lane] = x;
+    }
+    __syncthreads();
+    total = scratch[nw - 1];
+    return (w > 0 ? scratch[w - 1] : 0) + incl;
+}
+
+// Waits until *p >= at_least, another block's store; returns the value seen. A plain
+// (volatile) load, not an atomic: polling must not slow the atomics. Backs off from
+// KVC_POLL_MIN_NS to KVC_POLL_MAX_NS. Only for a value a running block will store.
+#ifndef KVC_POLL_MIN_NS
+#define KVC_POLL_MIN_NS 64
+#endif
+#ifndef KVC_POLL_MAX_NS
+#define KVC_POLL_MAX_NS 1024
+#endif
+__device__ __forceinline__ i64 poll_at_least(const i64* p, i64 at_least) {
+    unsigned ns = KVC_POLL_MIN_NS;
+    i64 v;
+    while ((v = *(const volatile i64*)p) < at_least) {
+        __nanosleep(ns);
+        ns = ns < KVC_POLL_MAX_NS / 2 ? 2 * ns : KVC_POLL_MAX_NS;
+    }
+    return v;
+}
+
 // Last index i in [0, n) with a[i] <= x, or -1 (numpy searchsorted 'right' - 1
 // on a non-decreasing array). Used for batch rows, only where needed. kL2: read
 // through L2, for offsets another block of the same launch wrote.

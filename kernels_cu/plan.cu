@@ -82,14 +82,6 @@ inline constexpr int SMALL_ROWS = 256;  // rows the small route takes at most
 inline constexpr int SYNC_WORDS = 288;
 static_assert(SYNC_WORDS == SYNC_VERDICTS + SMALL_ROWS, "a verdict word per row of the small route");
 
-// Polling the flag backs off from KVC_POLL_MIN_NS to KVC_POLL_MAX_NS.
-#ifndef KVC_POLL_MIN_NS
-#define KVC_POLL_MIN_NS 64
-#endif
-#ifndef KVC_POLL_MAX_NS
-#define KVC_POLL_MAX_NS 1024
-#endif
-
 inline constexpr i64 I64_MAX = 0x7FFFFFFFFFFFFFFFLL;
 
 // v * page for v, page >= 0, or -1 when the product does not fit int64. The high
@@ -172,31 +164,6 @@ __device__ i64 scan_counts(i64* a, i64 n, i64 tail_end, i64* sh) {
     for (i64 i = n + 1 + t; i <= tail_end; i += nt) a[i] = total;
     __syncthreads();
     return total;
-}
-
-// Inclusive prefix sum of v over the block; `total` gets the block's sum in every
-// thread. Every thread must call it; `scratch` holds a value per warp.
-__device__ __forceinline__ i64 block_scan(i64 v, i64* scratch, i64& total) {
-    const unsigned lane = lane_id(), w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    i64 incl = v;
-    for (int d = 1; d < 32; d <<= 1) {
-        const i64 x = __shfl_up_sync(FULL_MASK, incl, d);
-        if ((int)lane >= d) incl += x;
-    }
-    __syncthreads();  // a previous use of scratch is over
-    if (lane == 31) scratch[w] = incl;
-    __syncthreads();
-    if (w == 0) {
-        i64 x = lane < nw ? scratch[lane] : 0;
-        for (int d = 1; d < 32; d <<= 1) {
-            const i64 y = __shfl_up_sync(FULL_MASK, x, d);
-            if ((int)lane >= d) x += y;
-        }
-        if (lane < nw) scratch[lane] = x;
-    }
-    __syncthreads();
-    total = scratch[nw - 1];
-    return (w > 0 ? scratch[w - 1] : 0) + incl;
 }
 
 // Whether row r's scalar inputs are in range (plan_row's first test): a request-table
@@ -618,13 +585,7 @@ __device__ __forceinline__ void small_tiles(const PlanArgs& a, const CheckArgs* 
             // The row's first entry: the entries of the valid rows before it.
             i64 before = 0;
             if ((i64)threadIdx.x < r && s.n[threadIdx.x] > 0) {
-                const volatile i64* v = sync + SYNC_VERDICTS + threadIdx.x;
-                unsigned ns = KVC_POLL_MIN_NS;
-                while (*v == 0) {
-                    __nanosleep(ns);
-                    ns = ns < KVC_POLL_MAX_NS / 2 ? 2 * ns : KVC_POLL_MAX_NS;
-                }
-                if (*v == 1) before = s.n[threadIdx.x];
+                if (poll_at_least(sync + SYNC_VERDICTS + threadIdx.x, 1) == 1) before = s.n[threadIdx.x];
             }
             const i64 sum = block_sum(before, scratch);
             if (threadIdx.x == 0) s.offset = sum;
@@ -763,13 +724,7 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
             // Waits only on the scanning block, which is running: every row has been
             // claimed by a running block before any block gets here.
             // A plain (volatile) load, not an atomic: polling must not slow the atomics.
-            if (threadIdx.x == 0) {
-                unsigned ns = KVC_POLL_MIN_NS;
-                while (*(volatile i64*)(sync + SYNC_SCANNED) == 0) {
-                    __nanosleep(ns);
-                    ns = ns < KVC_POLL_MAX_NS / 2 ? 2 * ns : KVC_POLL_MAX_NS;
-                }
-            }
+            if (threadIdx.x == 0) poll_at_least(sync + SYNC_SCANNED, 1);
             __syncthreads();
             __threadfence();
             plan_fill<kVerify, kFp, kScan>(a, c, kVerify ? s_phase : -1, checked, &s_digest[threadIdx.x >> 5]);

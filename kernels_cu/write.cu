@@ -7,12 +7,15 @@
 //      the identity), so a row's links are a prefix scan of maps: per 32 tokens
 //      a warp scan over shuffles, chunk after chunk a carried map. Rows of at
 //      most WARP_ROW_MAX tokens (decode, speculative steps) take a warp each;
-//      longer rows (prefill) a block each, whose warps scan 32 x SCAN_ITEMS
-//      tokens apiece and combine their maps through shared memory, so a 16K
-//      row is 16 block steps rather than 16K dependent hashes. Within a row the
-//      last write of a slot wins, as in the reference: a warp settles its own
-//      duplicates with match_any, a block its warps' through a shared-memory
-//      table of the highest token index per slot.
+//      longer rows (prefill) go by block steps, whose warps scan 32 x SCAN_ITEMS
+//      tokens apiece and combine their maps through shared memory. A launch of
+//      at most TILE_ROWS rows in order spreads its long rows' block steps
+//      (tiles) over the grid, each tile learning the state before it by a
+//      look-back (see write_tiles); any other launch gives a long row one block,
+//      step after step. Within a row the last write of a slot wins, as in the
+//      reference: a warp settles its own duplicates with match_any, a block
+//      step its warps' through a shared-memory table of the highest token index
+//      per slot, and tiles theirs through a launch-wide one.
 //   A. chain, sglang (v1): one warp per write row (grid-stride). The chain is serial by
 //      definition; the warp loads 32 tokens at a time, coalesced, and every
 //      lane runs the same chain over them in lockstep (values broadcast by
@@ -59,6 +62,9 @@ struct WriteArgs {
     i64 tag;
     const i64* folds;  // or null
     i64 num_folds;
+    i64* tiles;  // the scan chain's tile state (see write_tiles), or null: long rows a block each
+    i64 tile_cap;   // tiles it has room for
+    i64 table_cap;  // words of each of its hash tables (a power of two >= 64)
 };
 
 template <bool kFp>
@@ -144,7 +150,7 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
 #define KVC_WARP_ROW_MAX 128
 #endif
 #ifndef KVC_SCAN_ITEMS
-#define KVC_SCAN_ITEMS 2
+#define KVC_SCAN_ITEMS 1
 #endif
 inline constexpr i64 WARP_ROW_MAX = KVC_WARP_ROW_MAX;
 inline constexpr int SCAN_ITEMS = KVC_SCAN_ITEMS;
@@ -346,8 +352,12 @@ __device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0,
 struct ScanShared {
     u64 pow[33];  // MUL_POW
     ChainMap maps[MAX_WARPS];
+    ChainMap below[MAX_WARPS + 1];  // the maps of warps 0..w-1 composed; below[nwarps]: the step's
     u64 keys[DEDUPE_SLOTS];
     int last[DEDUPE_SLOTS];
+    u64 x;  // a tile's chain state before it (look-back's result)
+    i64 pos;
+    int has;
 };
 
 __device__ __forceinline__ ScanShared& scan_shared() {
@@ -372,70 +382,380 @@ __device__ __forceinline__ unsigned dedupe_enter(ScanShared& sh, i64 s, int k) {
     }
 }
 
-// A row longer than WARP_ROW_MAX tokens, by the whole block: each step covers
-// blockDim.x * SCAN_ITEMS tokens, warp w the w-th run of 32 * SCAN_ITEMS of them.
-// Every thread of the block must call it with the same row.
+// One block step of a long row: tokens [base, base + blockDim.x * SCAN_ITEMS) below
+// o1, warp w the w-th run of 32 * SCAN_ITEMS of them.
+struct BlockStep {
+    ScanChunk c[SCAN_ITEMS];
+    ChainMap all[SCAN_ITEMS];  // each chunk's map
+    unsigned entry[SCAN_ITEMS];  // its token's last-write table entry
+};
+
+__device__ __forceinline__ bool stores(const WriteArgs& a, const ScanChunk& c) {
+    return c.in && c.s >= 0 && c.s < a.num_slots;
+}
+
+// Loads and scans a block step, publishes each warp's map in sh.maps and enters its
+// stored slots in the last-write table. The caller syncs the block before reading either.
+__device__ __forceinline__ void scan_step(const WriteArgs& a, i64 base, i64 o1, ScanShared& sh, BlockStep& st) {
+    const unsigned lane = lane_id(), warp = threadIdx.x >> 5;
+    const i64 w0 = base + (i64)warp * 32 * SCAN_ITEMS;
+#pragma unroll
+    for (int j = 0; j < SCAN_ITEMS; ++j) load_chunk(a, w0 + j * 32 + lane, o1, st.c[j]);
+#pragma unroll
+    for (int j = 0; j < SCAN_ITEMS; ++j) st.all[j] = scan_chunk(st.c[j], sh.pow);
+    ChainMap mine = st.all[0];
+#pragma unroll
+    for (int j = 1; j < SCAN_ITEMS; ++j) mine = then(mine, st.all[j]);
+    if (lane == 0) sh.maps[warp] = mine;
+#pragma unroll
+    for (int j = 0; j < SCAN_ITEMS; ++j)
+        st.entry[j] = stores(a, st.c[j]) ? dedupe_enter(sh, st.c[j].s, (int)(st.c[j].i - base)) : 0u;
+}
+
+// Whether a token of the step is the step's last write of its slot (after the
+// barrier that follows scan_step).
+__device__ __forceinline__ bool last_in_step(const WriteArgs& a, const ScanShared& sh, const BlockStep& st, int j,
+                                             i64 base) {
+    return stores(a, st.c[j]) && sh.last[st.entry[j]] == (int)(st.c[j].i - base);
+}
+
+// sh.below from sh.maps, by warp 0 (a scan over its lanes, one warp's map each) after
+// the barrier that follows scan_step; the block syncs again before reading it.
+__device__ __forceinline__ void scan_warp_maps(ScanShared& sh) {
+    const unsigned lane = lane_id(), nwarps = blockDim.x >> 5;
+    ChainMap m = lane < nwarps ? sh.maps[lane] : identity_map();
+    for (int d = 1; d < MAX_WARPS; d <<= 1) {
+        ChainMap o;
+        o.a = __shfl_up_sync(FULL_MASK, m.a, d);
+        o.b = __shfl_up_sync(FULL_MASK, m.b, d);
+        o.pos = __shfl_up_sync(FULL_MASK, m.pos, d);
+        o.has = __shfl_up_sync(FULL_MASK, m.has, d);
+        if (lane >= (unsigned)d) m = then(o, m);
+    }
+    if (lane < nwarps) sh.below[lane + 1] = m;
+    if (lane == 0) sh.below[0] = identity_map();
+}
+
+// Stores a scanned block step from the chain's state before it (x, has, pos); keep[j]:
+// chunk j's token stores its record (its slot's last write).
+template <bool kFp>
+__device__ __forceinline__ void store_step(const WriteArgs& a, const ScanShared& sh, const BlockStep& st, u64 x,
+                                           int has, i64 pos, const bool (&keep)[SCAN_ITEMS], bool check_pos, i64 r,
+                                           i64& written, i64& skipped) {
+    // The chain's state before this warp's run: the step's start, then the warps below.
+    const ChainMap below = sh.below[threadIdx.x >> 5];
+    u64 xw = apply_map(below, x);
+    int hw = has | below.has;
+    i64 pw = below.has ? below.pos : pos;
+#pragma unroll
+    for (int j = 0; j < SCAN_ITEMS; ++j) {
+        store_chunk<kFp>(a, st.c[j], xw, hw, pw, check_pos, r, keep[j], written, skipped);
+        xw = apply_map(st.all[j], xw);
+        if (st.all[j].has) {
+            hw = 1;
+            pw = st.all[j].pos;
+        }
+    }
+}
+
+// Empties the step's last-write table entries; the caller syncs the block before and after.
+__device__ __forceinline__ void clear_step(const WriteArgs& a, ScanShared& sh, const BlockStep& st) {
+#pragma unroll
+    for (int j = 0; j < SCAN_ITEMS; ++j) {
+        if (stores(a, st.c[j])) {
+            sh.keys[st.entry[j]] = EMPTY_KEY;
+            sh.last[st.entry[j]] = -1;
+        }
+    }
+}
+
+// A row longer than WARP_ROW_MAX tokens, by the whole block, one block step after
+// another. Every thread of the block must call it with the same row.
 template <bool kFp>
 __device__ void scan_row_block(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool check_pos, ScanShared& sh,
                                i64& written, i64& skipped) {
-    const unsigned lane = lane_id(), warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const unsigned nwarps = blockDim.x >> 5;
     const i64 step_tokens = (i64)blockDim.x * SCAN_ITEMS;
     u64 x;
     int has;
     i64 pos;
     seed_state(a, seed, x, has, pos);
     for (i64 base = o0; base < o1; base += step_tokens) {
-        const i64 w0 = base + (i64)warp * 32 * SCAN_ITEMS;
-        ScanChunk c[SCAN_ITEMS];
-        ChainMap all[SCAN_ITEMS];
-        unsigned entry[SCAN_ITEMS];
-#pragma unroll
-        for (int j = 0; j < SCAN_ITEMS; ++j) load_chunk(a, w0 + j * 32 + lane, o1, c[j]);
-#pragma unroll
-        for (int j = 0; j < SCAN_ITEMS; ++j) all[j] = scan_chunk(c[j], sh.pow);
-        ChainMap mine = all[0];
-#pragma unroll
-        for (int j = 1; j < SCAN_ITEMS; ++j) mine = then(mine, all[j]);
-        if (lane == 0) sh.maps[warp] = mine;
-#pragma unroll
-        for (int j = 0; j < SCAN_ITEMS; ++j) {
-            const bool store = c[j].in && c[j].s >= 0 && c[j].s < a.num_slots;
-            entry[j] = store ? dedupe_enter(sh, c[j].s, (int)(c[j].i - base)) : 0u;
-        }
+        BlockStep st;
+        scan_step(a, base, o1, sh, st);
         __syncthreads();
-        // The chain's state before this warp's run: the block step's start, then the warps below.
-        ChainMap below = identity_map();
-        for (unsigned k = 0; k < warp; ++k) below = then(below, sh.maps[k]);
-        u64 xw = apply_map(below, x);
-        int hw = has | below.has;
-        i64 pw = below.has ? below.pos : pos;
+        if (threadIdx.x < 32) scan_warp_maps(sh);
+        __syncthreads();
+        bool keep[SCAN_ITEMS];
 #pragma unroll
-        for (int j = 0; j < SCAN_ITEMS; ++j) {
-            const bool store = c[j].in && c[j].s >= 0 && c[j].s < a.num_slots;
-            const bool last = store && sh.last[entry[j]] == (int)(c[j].i - base);
-            store_chunk<kFp>(a, c[j], xw, hw, pw, check_pos, r, last, written, skipped);
-            xw = apply_map(all[j], xw);
-            if (all[j].has) {
-                hw = 1;
-                pw = all[j].pos;
-            }
-        }
-        ChainMap step = identity_map();
-        for (unsigned k = 0; k < nwarps; ++k) step = then(step, sh.maps[k]);
+        for (int j = 0; j < SCAN_ITEMS; ++j) keep[j] = last_in_step(a, sh, st, j, base);
+        store_step<kFp>(a, sh, st, x, has, pos, keep, check_pos, r, written, skipped);
+        const ChainMap step = sh.below[nwarps];
         x = apply_map(step, x);
         if (step.has) {
             has = 1;
             pos = step.pos;
         }
         __syncthreads();  // every lookup and map read is done: empty the table for the next step
+        clear_step(a, sh, st);
+        __syncthreads();
+    }
+}
+
+// --- long rows split into tiles ------------------------------------------------------
+// When a launch's offsets are in order (rows back to back, as plan writes them) and
+// it has at most TILE_ROWS rows, its long rows are cut into tiles of one block step
+// each, spread over the grid, so a 16K-token row is not one block's serial work:
+//   - tile t goes to block t mod blocks, in order; a block's tiles are in order too,
+//     and a tile waits only for earlier tiles, so with the grid resident at once
+//     (the backend sizes it so) the earliest unfinished tile can always go on;
+//   - a tile publishes its map (TILE_AGG), then the chain's state after it
+//     (TILE_PREFIX) once it knows the state before it: its row's seed, or a look-back
+//     over the earlier tiles of its row (a warp reads 32 of their flags at a time and
+//     composes the maps back to the nearest published state);
+//   - the last write of a slot wins, across tiles as within one: each tile's last
+//     writer of a slot enters its token index in a launch-wide hash table (slot + 1 in
+//     the high word, the highest token index + 1 in the low one). Finding a later
+//     token there, it does not store; finding an earlier one, it stores only after
+//     that token's tile has published TILE_DONE (its stores made visible).
+// The launch state (WriteArgs::tiles) is TILE_STATE_WORDS words, a flag per tile,
+// TILE_DATA_WORDS per tile, then two hash tables of table_cap words: a launch uses
+// table gen & 1 and empties the other, which the launch before it used; its last
+// block out records how much of its table it used and moves gen on. Flags carry
+// gen (gen * 4 + status), so they are never reset.
+inline constexpr int TILE_ROWS = 256;
+inline constexpr i64 TILE_STATE_WORDS = 4;
+inline constexpr i64 TILE_DATA_WORDS = 8;  // the tile's map (a, b, pos, has); the state after it (x, has, pos)
+inline constexpr int ST_GEN = 0, ST_EXITED = 1, ST_USED = 2;  // ST_USED + k: words of table k the last use filled
+inline constexpr i64 TILE_AGG = 1, TILE_PREFIX = 2, TILE_DONE = 3;
+
+struct TileRows {
+    i64 start[TILE_ROWS + 1];  // offsets[0..nrows]
+    i64 first[TILE_ROWS + 1];  // row r's tiles are [first[r], first[r + 1])
+    i64 seed[TILE_ROWS];
+    i64 scratch[32];
+    i64 tiles, long_tokens;
+};
+
+struct TileLaunch {
+    i64* flags;  // [tile_cap]
+    i64* data;   // [tile_cap * TILE_DATA_WORDS]
+    u64* table;  // this launch's hash table
+    u64 mask;    // its size - 1 (a power of two)
+    i64 gen;
+};
+
+// Whether this launch splits its long rows into tiles; if so, fills tr (every thread
+// must call it, and gets the same answer).
+__device__ bool plan_tiles(const WriteArgs& a, i64 nrows, i64 tokens_per_tile, TileRows& tr, TileLaunch& tl) {
+    if (a.tiles == nullptr || nrows <= 0 || nrows > TILE_ROWS || nrows > (i64)blockDim.x) return false;
+    for (i64 r = threadIdx.x; r <= nrows; r += blockDim.x) tr.start[r] = a.offsets[r];
+    const i64 r = threadIdx.x;
+    const i64 seed = r < nrows ? a.seeds[r] : -1;
+    __syncthreads();
+    i64 n = 0, tiles = 0;
+    bool bad = false;
+    if (r < nrows) {
+        const i64 o0 = tr.start[r], o1 = tr.start[r + 1];
+        bad = o1 < o0 || (r == 0 && o0 < 0) || (r == nrows - 1 && o1 > a.avail);
+        tr.seed[r] = seed;
+        n = o1 - o0;
+        if (!bad && n > WARP_ROW_MAX && seed >= -1 && seed < a.num_slots) tiles = (n + tokens_per_tile - 1) / tokens_per_tile;
+        else n = 0;
+    }
+    if (__syncthreads_or(bad)) return false;
+    i64 total;
+    const i64 incl = block_scan((tiles << 32) | n, tr.scratch, total);  // tiles < 2^31, tokens < 2^32
+    if (r < nrows) tr.first[r + 1] = incl >> 32;
+    if (r == 0) tr.first[0] = 0;
+    const i64 all_tiles = total >> 32, long_tokens = total & 0xFFFFFFFFLL;
+    if (all_tiles == 0 || all_tiles > a.tile_cap || 2 * long_tokens > a.table_cap) return false;
+    u64 size = 64;
+    while (size < 2 * (u64)long_tokens) size <<= 1;
+    tl.gen = __ldcg(a.tiles + ST_GEN);
+    tl.flags = a.tiles + TILE_STATE_WORDS;
+    tl.data = tl.flags + a.tile_cap;
+    tl.table = (u64*)(tl.data + a.tile_cap * TILE_DATA_WORDS) + (tl.gen & 1) * a.table_cap;
+    tl.mask = size - 1;
+    if (threadIdx.x == 0) {
+        tr.tiles = all_tiles;
+        tr.long_tokens = long_tokens;
+    }
+    __syncthreads();
+    return true;
+}
+
+// Token idx's write of `slot` in the hash table: its entry's word, and the first
+// compare-and-swap's answer (separate, so a thread's first attempts are in flight at once).
+__device__ __forceinline__ u64 last_write_word(i64 slot, i64 idx) { return (u64)(slot + 1) << 32 | (u64)(idx + 1); }
+
+__device__ __forceinline__ u64 last_write_home(const TileLaunch& tl, i64 slot) {
+    return splitmix64((u64)slot) & tl.mask;
+}
+
+// Finishes entering `mine` (last_write_word) at entry h, whose compare-and-swap of 0
+// saw w; returns the highest token index + 1 entered for that slot before (0: none).
+__device__ __forceinline__ u64 enter_last_write(const TileLaunch& tl, u64 mine, u64 h, u64 w) {
+    const u64 key = mine & 0xFFFFFFFF00000000ULL;
+    for (;;) {  // the table is at most half full: a free or matching entry is found
+        if (w == 0ULL) return 0;
+        if ((w & 0xFFFFFFFF00000000ULL) == key) {
+            for (;;) {
+                if (w >= mine) return w & 0xFFFFFFFFULL;  // same key: compare the indices
+                const u64 seen = atomicCAS(tl.table + h, w, mine);
+                if (seen == w) return w & 0xFFFFFFFFULL;
+                w = seen;
+            }
+        }
+        h = (h + 1) & tl.mask;
+        w = atomicCAS(tl.table + h, 0ULL, mine);
+    }
+}
+
+__device__ __forceinline__ void publish(i64* flag, i64 value) {
+    __threadfence();  // the data before the flag
+    *(volatile i64*)flag = value;
+}
+
+// The chain's state before tile t, the i-th (i > 0) of its row, by one warp: the
+// maps of the tiles back to the nearest one whose state is out, applied to that state.
+__device__ void look_back(const TileLaunch& tl, i64 t, i64 i, u64& x, int& has, i64& pos) {
+    const unsigned lane = lane_id();
+    ChainMap acc = identity_map();  // the tiles passed so far, the nearest applied last
+    for (i64 j = t - 1;; j -= 32) {
+        const i64 tj = j - lane;
+        const bool in = tj >= t - i;
+        const i64 f = in ? poll_at_least(tl.flags + tj, tl.gen * 4 + TILE_AGG) : 0;
+        __threadfence();
+        const unsigned out = __ballot_sync(FULL_MASK, in && f >= tl.gen * 4 + TILE_PREFIX);
+        const unsigned stop = out ? (unsigned)(__ffs(out) - 1) : 32u;
+        ChainMap m = identity_map();
+        if (in && lane < stop) {
+            const i64* d = tl.data + tj * TILE_DATA_WORDS;
+            m = ChainMap{(u64)__ldcg(d), (u64)__ldcg(d + 1), __ldcg(d + 2), (int)__ldcg(d + 3)};
+        }
+        for (int k = 1; k < 32; k <<= 1) {  // lane 0: m_0 after m_1 after ... m_31
+            ChainMap o;
+            o.a = __shfl_down_sync(FULL_MASK, m.a, k);
+            o.b = __shfl_down_sync(FULL_MASK, m.b, k);
+            o.pos = __shfl_down_sync(FULL_MASK, m.pos, k);
+            o.has = __shfl_down_sync(FULL_MASK, m.has, k);
+            if (lane + k < 32) m = then(o, m);
+        }
+        m.a = __shfl_sync(FULL_MASK, m.a, 0);
+        m.b = __shfl_sync(FULL_MASK, m.b, 0);
+        m.pos = __shfl_sync(FULL_MASK, m.pos, 0);
+        m.has = __shfl_sync(FULL_MASK, m.has, 0);
+        acc = then(m, acc);
+        if (out) {
+            const i64* d = tl.data + (j - stop) * TILE_DATA_WORDS;
+            const u64 px = (u64)__ldcg(d + 4);
+            const int ph = (int)__ldcg(d + 5);
+            const i64 pp = __ldcg(d + 6);
+            x = apply_map(acc, px);
+            has = ph | acc.has;
+            pos = acc.has ? acc.pos : pp;
+            return;
+        }
+    }
+}
+
+// The long rows' tiles of this block (see above).
+template <bool kFp>
+__device__ void write_tiles(const WriteArgs& a, const TileRows& tr, i64 nrows, const TileLaunch& tl, unsigned blocks,
+                            bool check_pos, ScanShared& sh, i64& written, i64& skipped) {
+    const unsigned warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const i64 tokens_per_tile = (i64)blockDim.x * SCAN_ITEMS;
+    for (i64 t = blockIdx.x; t < tr.tiles; t += blocks) {
+        const i64 r = row_of(tr.first, nrows, t);
+        const i64 i = t - tr.first[r], o1 = tr.start[r + 1], base = tr.start[r] + i * tokens_per_tile;
+        i64* flag = tl.flags + t;
+        i64* d = tl.data + t * TILE_DATA_WORDS;
+        BlockStep st;
+        scan_step(a, base, o1, sh, st);
+        __syncthreads();
+        ChainMap m;  // the tile's map (warp 0)
+        if (warp == 0) {
+            scan_warp_maps(sh);
+            __syncwarp();
+            m = sh.below[nwarps];
+            if (i > 0 && threadIdx.x == 0) {  // the map first: later tiles' look-backs wait on it
+                d[0] = (i64)m.a;
+                d[1] = (i64)m.b;
+                d[2] = m.pos;
+                d[3] = m.has;
+                publish(flag, tl.gen * 4 + TILE_AGG);
+            }
+        }
+        // This tile's last writes of their slots, entered launch-wide (the atomics go out
+        // before the look-back, so their latency overlaps it).
+        u64 before[SCAN_ITEMS], word[SCAN_ITEMS], home[SCAN_ITEMS];
 #pragma unroll
         for (int j = 0; j < SCAN_ITEMS; ++j) {
-            if (c[j].in && c[j].s >= 0 && c[j].s < a.num_slots) {
-                sh.keys[entry[j]] = EMPTY_KEY;
-                sh.last[entry[j]] = -1;
+            before[j] = ~0ULL;
+            if (last_in_step(a, sh, st, j, base)) {
+                word[j] = last_write_word(st.c[j].s, st.c[j].i);
+                home[j] = last_write_home(tl, st.c[j].s);
+                before[j] = atomicCAS(tl.table + home[j], 0ULL, word[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < SCAN_ITEMS; ++j)
+            if (before[j] != ~0ULL) before[j] = enter_last_write(tl, word[j], home[j], before[j]);
+        if (warp == 0) {
+            u64 x;
+            int has;
+            i64 pos;
+            if (i == 0) seed_state(a, tr.seed[r], x, has, pos);
+            else look_back(tl, t, i, x, has, pos);
+            if (threadIdx.x == 0) {
+                sh.x = x;
+                sh.has = has;
+                sh.pos = pos;
+                d[4] = (i64)apply_map(m, x);
+                d[5] = has | m.has;
+                d[6] = m.has ? m.pos : pos;
+                publish(flag, tl.gen * 4 + TILE_PREFIX);
             }
         }
         __syncthreads();
+        bool keep[SCAN_ITEMS];
+#pragma unroll
+        for (int j = 0; j < SCAN_ITEMS; ++j) {
+            const u64 seen = before[j], mine = (u64)st.c[j].i + 1;
+            keep[j] = seen != ~0ULL && seen < mine;
+            if (keep[j] && seen != 0) {  // an earlier token of another tile wrote this slot: store after it
+                const i64 e = (i64)seen - 1;
+                const i64 re = row_of(tr.start, nrows, e);
+                const i64 te = tr.first[re] + (e - tr.start[re]) / tokens_per_tile;
+                poll_at_least(tl.flags + te, tl.gen * 4 + TILE_DONE);
+                __threadfence();
+            }
+        }
+        store_step<kFp>(a, sh, st, sh.x, sh.has, sh.pos, keep, check_pos, r, written, skipped);
+        __threadfence();  // this thread's stores before the tile's TILE_DONE
+        __syncthreads();
+        if (threadIdx.x == 0) publish(flag, tl.gen * 4 + TILE_DONE);
+        clear_step(a, sh, st);
+        __syncthreads();
+    }
+}
+
+// After the tiles: empty the other table (every block a share); the last block out
+// records this launch's use and moves gen on.
+__device__ void finish_tiles(const WriteArgs& a, const TileLaunch& tl, unsigned blocks) {
+    u64* other = (u64*)(tl.data + a.tile_cap * TILE_DATA_WORDS) + ((tl.gen & 1) ^ 1) * a.table_cap;
+    const i64 used = __ldcg(a.tiles + ST_USED + ((tl.gen & 1) ^ 1));
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < used; k += (i64)blocks * blockDim.x) other[k] = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd((u64*)(a.tiles + ST_EXITED), 1ULL) == blocks - 1) {
+            a.tiles[ST_USED + (tl.gen & 1)] = (i64)tl.mask + 1;
+            a.tiles[ST_USED + ((tl.gen & 1) ^ 1)] = 0;
+            a.tiles[ST_EXITED] = 0;
+            a.tiles[ST_GEN] = tl.gen + 1;
+        }
     }
 }
 
@@ -462,7 +782,7 @@ struct WriteStepArgs {
 };
 
 template <bool kFp, bool kScan>
-__global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens(WriteStepArgs step) {
+__global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 2) write_tokens(WriteStepArgs step) {
     const WriteArgs& a = step.w;
     // The write's own blocks: every block but the digest's.
     const unsigned blocks = gridDim.x - (step.d.out != nullptr ? 1u : 0u);
@@ -493,6 +813,12 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
     __shared__ u64 s_counts[2];  // the block's slots written and tokens skipped
     __shared__ i64 s_long[MAX_WARPS];  // a round's long rows (scan chain), one per warp or -1
     if (threadIdx.x < 2) s_counts[threadIdx.x] = 0;
+    // A row is no longer than the inputs, so short inputs (a decode step) have no long rows
+    // and no block-wide step.
+    const bool long_rows = kScan && a.avail > WARP_ROW_MAX;
+    __shared__ TileRows s_tiles;
+    TileLaunch tl;
+    const bool tiled = long_rows && plan_tiles(a, nrows, (i64)blockDim.x * SCAN_ITEMS, s_tiles, tl);
     if constexpr (kScan) {
         ScanShared& sh = scan_shared();
         for (int k = threadIdx.x; a.avail > WARP_ROW_MAX && k < DEDUPE_SLOTS; k += blockDim.x) {
@@ -504,9 +830,6 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
     __syncthreads();
 
     i64 written = 0, skipped = 0;  // the same in every lane of a warp
-    // A row is no longer than the inputs, so short inputs (a decode step) have no long rows
-    // and no block-wide step.
-    const bool long_rows = kScan && a.avail > WARP_ROW_MAX;
     const i64 per_round = (i64)blocks * nwarps;
     const i64 rounds = (nrows + per_round - 1) / per_round;  // the same in every thread of the block
     for (i64 k = 0; k < rounds; ++k, r += per_round) {
@@ -520,9 +843,9 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
             if (!kScan) chain_row<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
             else if (o1 - o0 <= WARP_ROW_MAX) scan_row_warp<kFp>(a, r, o0, o1, seed, check_pos, scan_shared().pow,
                                                                  written, skipped);
-            else is_long = true;
+            else is_long = !tiled;  // tiled: write_tiles takes it
         }
-        if (long_rows) {  // the round's long rows, one after another, each by the whole block
+        if (long_rows && !tiled) {  // the round's long rows, one after another, each by the whole block
             if (lane == 0) s_long[warp] = is_long ? r : -1;
             __syncthreads();
             for (unsigned w = 0; w < nwarps; ++w) {
@@ -532,6 +855,11 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 1) write_tokens
             }
             __syncthreads();  // s_long is written again next round
         }
+    }
+
+    if (tiled) {
+        write_tiles<kFp>(a, s_tiles, nrows, tl, blocks, check_pos, scan_shared(), written, skipped);
+        finish_tiles(a, tl, blocks);
     }
 
     if (kFp && nrows > 0) {

@@ -173,6 +173,19 @@ def test_warp_row_limit_matches_backend():
     assert int(value) == cuda_backend.WARP_ROW_MAX
 
 
+def test_write_tile_layout_matches_backend():
+    """The backend sizes write.cu's tile state (tiles of BLOCK * KVC_SCAN_ITEMS tokens, their
+    words, the rows a tiled launch takes) by these twins."""
+    text = (cuda_sources.kernels_dir() / "write.cu").read_text()
+    (items,) = re.findall(r"#define KVC_SCAN_ITEMS (\d+)", text)
+    twins = {"TILE_ROWS": cuda_backend.WRITE_TILE_ROWS, "TILE_STATE_WORDS": cuda_backend.TILE_STATE_WORDS,
+             "TILE_DATA_WORDS": cuda_backend.TILE_DATA_WORDS}
+    assert int(items) == cuda_backend.WRITE_SCAN_ITEMS
+    for name, value in twins.items():
+        (found,) = re.findall(rf"^inline constexpr (?:int|i64) {name} = (\d+);", text, re.M)
+        assert int(found) == value, name
+
+
 def test_small_plan_bounds_match_backend():
     """The bounds of plan.cu's small route, which the GPU tests of plan sizes sit on either side of."""
     text = (cuda_sources.kernels_dir() / "plan.cu").read_text()

@@ -19,7 +19,7 @@ from kvcanary_cupy import FailReason as F
 from tests import workloads
 from tests.workloads import arr, host, s64
 
-LONG = 2600  # longer than a block's step of 1024 tokens, and than a warp's share (128)
+LONG = 2600  # longer than a block's step (256 tokens) many times over, and than a warp's share (128)
 
 
 def oracle(recs, rows, ids, pos, loc, check_pos):

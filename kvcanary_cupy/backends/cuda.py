@@ -49,7 +49,7 @@ PLAN_FIELDS = (
 WRITE_FIELDS = (
     "records", "num_slots", "offsets", "seeds", "num_rows", "position_check", "max_batch",
     "input_ids", "positions", "out_cache_loc", "exp_tokens", "exp_positions", "widths", "avail",
-    "ring", "head", "ring_capacity", "counters", "tag", "folds", "num_folds",
+    "ring", "head", "ring_capacity", "counters", "tag", "folds", "num_folds", "tiles", "tile_cap", "table_cap",
 )
 VERIFY_FIELDS = (
     "records", "num_slots", "slot_indices", "prev_slot_indices", "expected_positions", "expected_tokens",
@@ -72,6 +72,13 @@ AGREE_FIELDS = ("gathered", "world", "words", "rank", "state", "ring", "head", "
 DIGEST_STATE_WORDS = 2  # digest.cu: the partial sum and the finished-block ticket
 HAS_ETOK, HAS_EPOS = 1 << 5, 1 << 6  # write.cu widths bits
 WARP_ROW_MAX = 128  # write.cu KVC_WARP_ROW_MAX: longer rows of the scan chain take a block each
+# write.cu's tiles: a scan-chain launch of at most WRITE_TILE_ROWS rows cuts its long rows into
+# tiles of BLOCK * WRITE_SCAN_ITEMS tokens spread over the grid. Its state: TILE_STATE_WORDS,
+# then (1 + TILE_DATA_WORDS) words per tile, then two hash tables.
+WRITE_SCAN_ITEMS = 1  # write.cu KVC_SCAN_ITEMS
+WRITE_TILE_ROWS, TILE_STATE_WORDS, TILE_DATA_WORDS = 256, 4, 8
+# Inputs of at most this many tokens keep a block per long row: two block steps at most.
+WRITE_TILE_MIN = 2 * BLOCK * WRITE_SCAN_ITEMS
 
 # The kernel instances, by (real-KV sources given, scan chain).
 WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false>", (False, True): "kvc::write_tokens<false, true>",
@@ -362,6 +369,26 @@ def _canary_fields(family, kernels, canary, log, tag, sources, mode, stream: int
         counters=_ptr(log.counter_array), tag=_i64(tag), folds=_ptr(folds) if nf else 0, num_folds=nf)
 
 
+def _write_tiles(wp, dev: int, avail: int, stream: int) -> tuple[int, int, int]:
+    """(address, tiles, hash-table words) of the write plan's tile state, with room for
+    ``avail`` input tokens; kept in the plan's ``launches.state``. A state too small for
+    ``avail`` is replaced by a larger one, zeroed on the op's stream; the old one is kept
+    as long as the plan (a captured graph may still point at it)."""
+    rt = _runtime()
+    key = ("write_tiles", dev)
+    have = wp.launches.state.get(key)
+    tile_cap = -(-avail // (BLOCK * WRITE_SCAN_ITEMS)) + WRITE_TILE_ROWS
+    table_cap = max(64, 1 << (2 * avail - 1).bit_length())
+    if have is None or have[1] < tile_cap or have[2] < table_cap:
+        if have is not None:
+            wp.launches.state.setdefault(("write_tiles_retired", dev), []).append(have)
+        words = TILE_STATE_WORDS + tile_cap * (1 + TILE_DATA_WORDS) + 2 * table_cap
+        state = rt.empty_i64(words, dev)
+        rt.zero_async(_ptr(state), 8 * words, stream)
+        have = wp.launches.state[key] = (state, tile_cap, table_cap)
+    return _ptr(have[0]), have[1], have[2]
+
+
 def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode, expected_tokens,
                   expected_positions, digest=None, stream=None) -> _Launch:
     """See :func:`kvcanary_cupy.ops.write`; views already validated. With ``digest`` (a
@@ -383,8 +410,15 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
              positions=_ptr(positions), out_cache_loc=_ptr(out_cache_loc), widths=widths, avail=avail)
     # A warp per row for the chain (a scan chain's long rows: a block per row, when the inputs
     # are long enough to hold one); with folds, up to 32 lanes per token fingerprint.
-    per_row = BLOCK if canary.chain == fmt.CHAIN_SCAN and avail > WARP_ROW_MAX else 32
+    scan = canary.chain == fmt.CHAIN_SCAN
+    per_row = BLOCK if scan and avail > WARP_ROW_MAX else 32
     threads = max(wp.max_batch * per_row, avail * min(nf, 32))
+    # Long rows cut into tiles: a block per tile, as many as fit at once (the tiles wait for
+    # earlier ones, so the whole grid must be resident; a slot and a token index are 32-bit
+    # keys of its hash table).
+    if scan and WRITE_TILE_MIN < avail < 1 << 31 and canary.num_slots < (1 << 32) - 1:
+        v["tiles"], v["tile_cap"], v["table_cap"] = _write_tiles(wp, dev, avail, stream)
+        threads = max(threads, -(-avail // (BLOCK * WRITE_SCAN_ITEMS)) * BLOCK)
     blocks = _blocks(threads, _runtime().resident_blocks(fn, dev))
     if digest is None:
         return _Launch(WRITE_STEP_FIELDS, fn, dev, v, blocks)
