@@ -41,7 +41,7 @@ class CudaPlatform:
         self._previous = cp.cuda.get_current_stream()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.stream.use()
-        self.timer = CudaTimer(cp, self.stream, 2 * self.l2_bytes)
+        self.timer = CudaTimer(cp, self.stream, 2 * self.l2_bytes, spin=lambda *a: self._probe("kvc::bench_spin")(*a))
         self._module = None
 
     # --- basics -------------------------------------------------------------------

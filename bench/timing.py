@@ -6,6 +6,13 @@ runs the caller's inputs rotate over several sets (see ``cases.rotation``); wher
 the sets are too small to push each other out of L2, the timer overwrites a
 scratch buffer of twice the L2 size between runs, outside the bracketed interval.
 
+Before each timed run the device is given work to do (``hold()``: a kernel that waits
+HOLD_NS on the device, then the flush if any), so the run's launches are queued behind it
+and its events bracket device time alone. Without it an op shorter than its own host
+call would be timed at the host's pace: the start event fires on an idle device, and the
+interval then includes the host's time to submit the launches (measured on an H200: a
+decode write timed back to back at 12 to 14 us, behind a hold at 7 to 8 us).
+
 Host time is the wall time of the Python call (``perf_counter_ns`` around it),
 without synchronizing the device after each call; the device is drained every
 ``sync_every`` calls, outside the timed interval, so the launch queue never fills.
@@ -21,6 +28,8 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
+
+HOLD_NS = 200_000  # longer than any op's host call (a monitor step's is 20 to 60 us)
 
 
 def median(xs) -> float:
@@ -60,6 +69,9 @@ class _Timer:
     def flush(self) -> None:
         """Evict L2 (no-op where there is none to evict)."""
 
+    def hold(self) -> None:
+        """Queue HOLD_NS of device work (no-op without a device)."""
+
     def _pair(self):
         return None
 
@@ -94,6 +106,7 @@ class _Timer:
         gc.disable()
         try:
             for i in range(runs):
+                self.hold()
                 if flush:
                     self.flush()
                 a, b = pairs[i] if pairs[i] is not None else (None, None)
@@ -135,13 +148,19 @@ class _Timer:
 
 
 class CudaTimer(_Timer):
-    """CUDA events on a CuPy stream; ``flush()`` reads ``flush_bytes`` of scratch."""
+    """CUDA events on a CuPy stream; ``flush()`` reads ``flush_bytes`` of scratch;
+    ``hold()`` launches ``spin`` (bench_spin: a kernel that waits its argument's ns), if given."""
 
-    def __init__(self, cp, stream, flush_bytes: int):
+    def __init__(self, cp, stream, flush_bytes: int, spin=None):
         self.cp = cp
         self.stream = stream
         self.flush_bytes = int(flush_bytes)
         self._scratch = None
+        self._spin = spin
+
+    def hold(self) -> None:
+        if self._spin is not None:
+            self._spin((1,), (1,), (self.cp.int64(HOLD_NS),))  # on the current stream: the timer's
 
     def sync(self) -> None:
         self.stream.synchronize()
@@ -179,6 +198,9 @@ class TorchTimer(_Timer):
 
     def sync(self) -> None:
         self.torch.cuda.current_stream(self.device_).synchronize()
+
+    def hold(self) -> None:
+        self.torch.cuda._sleep(2 * HOLD_NS)  # clock cycles: at least HOLD_NS up to a 2 GHz clock
 
     def flush(self) -> None:
         if self.flush_bytes <= 0:
