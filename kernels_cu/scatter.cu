@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(256) scatter_expected_tokens(ScatterArgs a) {
 // [0, copy_words) go to `copy_to` with `shift` added (`words` may be device memory
 // too), then update k sets element index[k] of target t to value[k], where target t
 // takes updates [end[t - 1], end[t]) (end[-1] = 0). An index outside its target is
-// skipped, never written.
+// never written: it is counted in *skipped (when given).
 namespace kvc {
 
 inline constexpr int MAX_UPDATE_TARGETS = 4;
@@ -61,18 +61,22 @@ struct UpdateArgs {
     int* target[MAX_UPDATE_TARGETS];  // device int32 arrays (flat)
     i64 target_len[MAX_UPDATE_TARGETS];
     i64 end[MAX_UPDATE_TARGETS];  // cumulative update counts
+    i64* skipped;       // device: updates not applied, added to (or null)
 };
 
 __global__ void __launch_bounds__(256) apply_updates(UpdateArgs a) {
     const i64 stride = (i64)gridDim.x * blockDim.x;
     const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     for (i64 i = first; i < a.copy_words; i += stride) a.copy_to[i] = a.words[i] + a.shift;
+    i64 skipped = 0;
     for (i64 k = first; k < a.count; k += stride) {
         int t = 0;
         while (t < MAX_UPDATE_TARGETS - 1 && k >= a.end[t]) ++t;
         const i64 j = a.index[k];
         if (k < a.end[t] && j >= 0 && j < a.target_len[t]) a.target[t][j] = a.value[k];
+        else ++skipped;
     }
+    if (skipped != 0 && a.skipped != nullptr) atomicAdd((u64*)a.skipped, (u64)skipped);
 }
 
 }  // namespace kvc

@@ -64,7 +64,8 @@ CHECK_FIELDS = (
 SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths")
 MAX_UPDATE_TARGETS = 4  # scatter.cu
 UPDATE_FIELDS = (("words", "copy_to", "copy_words", "shift", "index", "value", "count")
-                 + tuple(f"{f}{t}" for f in ("target", "target_len", "end") for t in range(MAX_UPDATE_TARGETS)))
+                 + tuple(f"{f}{t}" for f in ("target", "target_len", "end") for t in range(MAX_UPDATE_TARGETS))
+                 + ("skipped",))
 DIGEST_FIELDS = ("descs", "num_descs", "out", "state", "carry", "carry_words")
 # write_tokens' argument (write.cu WriteStepArgs): WRITE_FIELDS, then a digest's (all 0: none).
 WRITE_STEP_FIELDS = WRITE_FIELDS + tuple(f"d_{k}" for k in DIGEST_FIELDS)
@@ -468,23 +469,32 @@ class HostUpdates:
         copy_to: device address of the int64 words they go to.
         targets: up to :data:`MAX_UPDATE_TARGETS` ``(device address, length)`` of int32 arrays.
         device: the CUDA ordinal.
+        skipped: device address of an int64 counter that every launch adds its skipped
+            updates to (several launchers may share one); 0: a counter of its own.
 
     :meth:`__call__` copies ``copy_words`` words with ``shift`` added, then applies the
     updates: int64 indices and int32 values at pinned addresses ``index`` and ``value``,
     ``ends[t]`` the cumulative count through target ``t``; an index outside its target is
-    skipped. The caller keeps the pinned memory unchanged until the launch has run (an
-    event after it).
+    not written, and counted (:meth:`skipped`). The caller keeps the pinned memory
+    unchanged until the launch has run (an event after it).
     """
 
     GRID = 8  # blocks (grid-stride): a step's rows and changes are a few thousand words at most
 
-    def __init__(self, *, words: int, copy_to: int, targets=(), device: int):
+    def __init__(self, *, words: int, copy_to: int, targets=(), device: int, skipped: int = 0):
         if len(targets) > MAX_UPDATE_TARGETS:
             raise ValueError(f"kvcanary: targets: at most {MAX_UPDATE_TARGETS}, got {len(targets)}")
-        v = dict(words=words, copy_to=copy_to)
+        rt = _runtime()
+        self._counter = None
+        if not skipped:
+            with rt.device(device):
+                self._counter = rt.cp.zeros(1, dtype=np.int64)
+                rt.cp.cuda.get_current_stream().synchronize()  # zero before any launch, on any stream
+            skipped = _ptr(self._counter)
+        self._skipped_at = skipped
+        v = dict(words=words, copy_to=copy_to, skipped=skipped)
         for t, (ptr, n) in enumerate(targets):
             v[f"target{t}"], v[f"target_len{t}"] = ptr, n
-        rt = _runtime()
         self._launch = _Launch(UPDATE_FIELDS, rt.function("scatter", "kvc::apply_updates", device), device, v,
                                self.GRID)
         # Called every step: the argument words are set through a memoryview (a fraction of
@@ -504,6 +514,16 @@ class HostUpdates:
         for t, i in enumerate(self._ends):
             words[i] = ends[t] if t < len(ends) else count
         self._launch(stream)
+
+    def skipped(self) -> int:
+        """Updates not applied so far (an index outside its target), counted on the device:
+        this launcher's, or all those sharing its counter (synchronizes the device)."""
+        out = np.zeros(1, dtype=np.int64)
+        rt = _runtime()
+        with rt.device(self._launch.dev):
+            rt.cp.cuda.runtime.deviceSynchronize()
+            rt.cp.cuda.runtime.memcpy(out.ctypes.data, self._skipped_at, 8, rt.cp.cuda.runtime.memcpyDeviceToHost)
+        return int(out[0])
 
 
 # --- tensor-parallel agreement ----------------------------------------------------

@@ -37,10 +37,11 @@ def test_rows_copied_and_changes_scattered_like_numpy(cp):
         expect[t][idx] = val
         at += n
         ends.append(at)
-    index[5] = 50  # outside table 0: skipped, never written
+    index[5] = 50  # outside table 0: skipped, never written, counted
+    index[6] = -1  # likewise
     expect[0] = np.full(50, -5, dtype=np.int32)
     for k in range(20):
-        if index[k] < 50:
+        if 0 <= index[k] < 50:
             expect[0][index[k]] = value[k]
     up = HostUpdates(words=words.ctypes.data, copy_to=copy_to.data.ptr,
                      targets=[(t.data.ptr, t.size) for t in tables], device=0)
@@ -51,6 +52,22 @@ def test_rows_copied_and_changes_scattered_like_numpy(cp):
     assert got[:250].tolist() == words[:250].tolist() and (got[250:] == -777).all()
     for t, e in zip(tables, expect):
         assert t.get().tolist() == e.tolist()
+    assert up.skipped() == 2
+    up(copy_words=0, index=index.ctypes.data, value=value.ctypes.data, ends=ends, stream=stream.ptr)
+    assert up.skipped() == 4, "the counter adds up over launches"
+
+
+def test_launchers_share_a_counter(cp):
+    counter = cp.zeros(1, dtype=cp.int64)
+    table = cp.zeros(4, dtype=cp.int32)
+    index, value = _pinned(cp, 3, np.int64), _pinned(cp, 3, np.int32)
+    index[:], value[:] = [0, 9, 3], [7, 8, 9]
+    ups = [HostUpdates(words=0, copy_to=0, targets=[(table.data.ptr, 4)], device=0, skipped=counter.data.ptr)
+           for _ in range(2)]
+    for up in ups:
+        up(copy_words=0, index=index.ctypes.data, value=value.ctypes.data, ends=[3],
+           stream=cp.cuda.get_current_stream().ptr)
+    assert table.get().tolist() == [7, 0, 0, 9] and int(counter.get()[0]) == 2 == ups[0].skipped()
 
 
 def test_device_words_copied_with_a_shift(cp):

@@ -100,6 +100,7 @@ def test_64_requests_prefix_sharing_and_offload_clean():
     assert len(out) == 64 and all(r.error is None for r in out.values())
     stats = w.stats()
     assert stats["violations"] == 0 and stats["logged"] == 0 and stats["offloaded_requests"] > 0
+    assert stats["updates_skipped"] == 0 and stats["slots_written"] > 0
 
 
 # --------------------------------------------------------------------------- faults

@@ -123,7 +123,11 @@ class EngineCanary:
         self._group_tables = [g.table for g in self.groups]
         self.steps = StepArrays(max_batch=self.max_batch, loc_groups=len(self.groups), device=self.device)
         self.expected = ExpectedTable(rows, min(self.max_len, 256), self.device, self.steps.device_view("valid"))
-        self.upload = None if self.cpu else ChangeUpload(self.device, self.steps)
+        # Table changes and slot copies the device launches could not apply (an index outside
+        # its array), counted on the device by every such launch of this engine (CUDA).
+        self._updates_skipped = None if self.cpu else _torch_zeros(1, self.device)
+        skipped_at = 0 if self.cpu else self._updates_skipped.data_ptr()
+        self.upload = None if self.cpu else ChangeUpload(self.device, self.steps, skipped=skipped_at)
 
         kwargs = dict(options.monitor)
         # A step verifies at most max_batch * max_len records (requests sharing a prefix each
@@ -406,7 +410,9 @@ class EngineCanary:
         return {"steps": self.step, "cancelled": self.cancelled, "cancel_too_late": self.too_late,
                 "outputs_dropped": self.outputs_dropped, "offloaded_requests": self.moves.offloaded,
                 "restored_requests": self.moves.restored, "forked_blocks": self.moves.forked_blocks,
-                "swept_records": self.moves.swept, "host_seconds": self.host_seconds, "rehomed": self.rehomed,
+                "swept_records": self.moves.swept, "host_seconds": self.host_seconds,
+                "updates_skipped": 0 if self._updates_skipped is None else int(self._updates_skipped.item()),
+                "rehomed": self.rehomed,
                 "fingerprints": self.fingerprints, "max_len": self.max_len,
                 "groups": {g.index: {"type": g.kind, "layers": g.layers, **g.monitor.stats()} for g in self.groups}}
 
@@ -426,8 +432,10 @@ def _loc_copies(eng, g) -> tuple:
 
     dev = int(eng.device.split(":")[1])
     index = eng._write_index[g.index]
-    return (HostUpdates(words=eng.steps.device_view(f"loc{g.index}").data_ptr(), copy_to=g.loc.data_ptr(), device=dev),
-            HostUpdates(words=index.data_ptr(), copy_to=g.loc.data_ptr(), device=dev))
+    at = eng._updates_skipped.data_ptr()
+    return (HostUpdates(words=eng.steps.device_view(f"loc{g.index}").data_ptr(), copy_to=g.loc.data_ptr(), device=dev,
+                        skipped=at),
+            HostUpdates(words=index.data_ptr(), copy_to=g.loc.data_ptr(), device=dev, skipped=at))
 
 
 def _torch_zeros(n: int, device: str):

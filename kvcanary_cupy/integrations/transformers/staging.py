@@ -114,10 +114,13 @@ class ChangeUpload:
     one kernel launch and no framework op. Elsewhere (a CPU torch device, for tests) one
     copy and one ``index_copy_`` per table do the same. ``device``: where the tables live.
     ``steps``: the :class:`StepArrays` whose rows travel with the changes (CUDA only).
+    ``skipped``: device address of an int64 counter the launches add changes they could
+    not apply to (CUDA; 0: each launcher counts on its own).
     """
 
-    def __init__(self, device: str, steps: StepArrays | None = None):
+    def __init__(self, device: str, steps: StepArrays | None = None, skipped: int = 0):
         self.device = device
+        self._skipped_at = skipped
         self.cuda = str(device).startswith("cuda")
         self.steps = steps
         self._cap = 0
@@ -230,7 +233,8 @@ class ChangeUpload:
         steps = self.steps
         self._launcher = HostUpdates(words=steps.pinned_address if steps else 0,
                                      copy_to=steps.device_address if steps else 0,
-                                     targets=[(a.data_ptr(), a.numel()) for a in arrays], device=dev)
+                                     targets=[(a.data_ptr(), a.numel()) for a in arrays], device=dev,
+                                     skipped=self._skipped_at)
         self._target_arrays = arrays
         if self._event is None:
             with cupy.cuda.Device(dev):

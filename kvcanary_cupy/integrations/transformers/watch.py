@@ -23,7 +23,7 @@ from .version import check_version
 from .violations import log_all
 
 _SUMMED = ("steps", "cancelled", "cancel_too_late", "outputs_dropped", "offloaded_requests", "restored_requests",
-           "forked_blocks", "swept_records", "host_seconds")
+           "forked_blocks", "swept_records", "host_seconds", "updates_skipped")
 _MONITOR_SUMMED = ("slots_checked", "slots_written", "kernel_runs", "logged", "dropped", "overflows", "input_errors",
                    "verifies_skipped", "writes_skipped", "tokens_skipped", "sweeps", "sweep_entries")
 
@@ -152,7 +152,9 @@ class Watch:
         cancel policy failed), ``cancel_too_late`` (violations of requests already
         finished), ``outputs_dropped`` (outputs of cancelled requests the engine still
         produced), ``offloaded_requests`` / ``restored_requests`` (whose records moved to
-        the host and back), ``forked_blocks``, ``swept_records``, ``host_seconds`` (the
+        the host and back), ``forked_blocks``, ``swept_records``, ``updates_skipped`` (table
+        changes and slot copies a device launch could not apply, their index outside the
+        array: 0 unless the adapter has a bug), ``host_seconds`` (the
         watch's own host time inside the engine's steps) and ``host_us_per_step``; the
         monitors' counters summed over engines and layer groups (``slots_checked``,
         ``slots_written``, ``kernel_runs``, ``logged``, ``dropped``, ``overflows``,
