@@ -534,7 +534,7 @@ struct TileRows {
     i64 first[TILE_ROWS + 1];  // row r's tiles are [first[r], first[r + 1])
     i64 seed[TILE_ROWS];
     i64 scratch[32];
-    i64 tiles, long_tokens;
+    i64 tiles;  // of all rows
 };
 
 struct TileLaunch {
@@ -560,8 +560,9 @@ __device__ bool plan_tiles(const WriteArgs& a, i64 nrows, i64 tokens_per_tile, T
         bad = o1 < o0 || (r == 0 && o0 < 0) || (r == nrows - 1 && o1 > a.avail);
         tr.seed[r] = seed;
         n = o1 - o0;
-        if (!bad && n > WARP_ROW_MAX && seed >= -1 && seed < a.num_slots) tiles = (n + tokens_per_tile - 1) / tokens_per_tile;
-        else n = 0;
+        const bool tiled = !bad && n > WARP_ROW_MAX && seed >= -1 && seed < a.num_slots;  // row_ok's seed test
+        tiles = tiled ? (n + tokens_per_tile - 1) / tokens_per_tile : 0;
+        if (!tiled) n = 0;
     }
     if (__syncthreads_or(bad)) return false;
     i64 total;
@@ -577,10 +578,7 @@ __device__ bool plan_tiles(const WriteArgs& a, i64 nrows, i64 tokens_per_tile, T
     tl.data = tl.flags + a.tile_cap;
     tl.table = (u64*)(tl.data + a.tile_cap * TILE_DATA_WORDS) + (tl.gen & 1) * a.table_cap;
     tl.mask = size - 1;
-    if (threadIdx.x == 0) {
-        tr.tiles = all_tiles;
-        tr.long_tokens = long_tokens;
-    }
+    if (threadIdx.x == 0) tr.tiles = all_tiles;
     __syncthreads();
     return true;
 }
