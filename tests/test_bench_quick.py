@@ -78,6 +78,24 @@ def test_rotation_exceeds_twice_l2_or_flushes():
     assert C.rotation(1000, 0, 8) == (1, False)  # no cache to defeat (CPU)
 
 
+def test_every_timed_run_waits_behind_a_hold():
+    """The device timer queues a hold (and the flush, when asked) before each timed run,
+    so a run's launches are never timed at the host's pace; warm-up runs need none."""
+    from bench.timing import WallTimer
+
+    seen = []
+
+    class Recording(WallTimer):
+        def hold(self):
+            seen.append("hold")
+
+        def flush(self):
+            seen.append("flush")
+
+    t = Recording().device(lambda i: seen.append(i), runs=3, warmup=2, flush=True)
+    assert seen == [0, 1, "hold", "flush", 0, "hold", "flush", 1, "hold", "flush", 2] and t.runs == 3
+
+
 def test_select_filters_by_regex():
     s = C.select(C.full_suite(), r"^decode b1024")
     assert {c.batch for c in s.cases} == {1024} and len(s.cases) == 3
