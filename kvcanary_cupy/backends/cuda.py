@@ -78,8 +78,9 @@ WARP_ROW_MAX = 128  # write.cu KVC_WARP_ROW_MAX: longer rows of the scan chain t
 # then (1 + TILE_DATA_WORDS) words per tile, then two hash tables.
 WRITE_SCAN_ITEMS = 1  # write.cu KVC_SCAN_ITEMS
 WRITE_TILE_ROWS, TILE_STATE_WORDS, TILE_DATA_WORDS = 256, 4, 8
+WRITE_TILE_TOKENS = BLOCK * WRITE_SCAN_ITEMS  # a tile: one block step
 # Inputs of at most this many tokens keep a block per long row: two block steps at most.
-WRITE_TILE_MIN = 2 * BLOCK * WRITE_SCAN_ITEMS
+WRITE_TILE_MIN = 2 * WRITE_TILE_TOKENS
 
 # The kernel instances, by (real-KV sources given, scan chain).
 WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false>", (False, True): "kvc::write_tokens<false, true>",
@@ -378,7 +379,7 @@ def _write_tiles(wp, dev: int, avail: int, stream: int) -> tuple[int, int, int]:
     rt = _runtime()
     key = ("write_tiles", dev)
     have = wp.launches.state.get(key)
-    tile_cap = -(-avail // (BLOCK * WRITE_SCAN_ITEMS)) + WRITE_TILE_ROWS
+    tile_cap = -(-avail // WRITE_TILE_TOKENS) + WRITE_TILE_ROWS  # a partial tile per row at most
     table_cap = max(64, 1 << (2 * avail - 1).bit_length())
     if have is None or have[1] < tile_cap or have[2] < table_cap:
         if have is not None:
@@ -419,7 +420,7 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
     # keys of its hash table).
     if scan and WRITE_TILE_MIN < avail < 1 << 31 and canary.num_slots < (1 << 32) - 1:
         v["tiles"], v["tile_cap"], v["table_cap"] = _write_tiles(wp, dev, avail, stream)
-        threads = max(threads, -(-avail // (BLOCK * WRITE_SCAN_ITEMS)) * BLOCK)
+        threads = max(threads, -(-avail // WRITE_TILE_TOKENS) * BLOCK)
     blocks = _blocks(threads, _runtime().resident_blocks(fn, dev))
     if digest is None:
         return _Launch(WRITE_STEP_FIELDS, fn, dev, v, blocks)
