@@ -124,12 +124,18 @@ __device__ __forceinline__ u64 scan_term(i64 token, i64 position) {
     return reduce61(splitmix64(splitmix64((u64)token) ^ (u64)position));
 }
 
-// The link a record's successor stores: kScan, the affine step
-// SCAN_MUL * (link mod P61) + scan_term mod P61; else SGLang's mix3.
+// The link after a stored (token, position) whose own link is `link`: kScan, the affine
+// step SCAN_MUL * (link mod P61) + scan_term mod P61; else SGLang's mix3.
+template <bool kScan>
+__device__ __forceinline__ u64 advance(u64 link, i64 token, i64 position) {
+    if (kScan) return reduce61(mulmod61(SCAN_MUL, reduce61(link)) + scan_term(token, position));
+    return mix3(link, token, position);
+}
+
+// The link a record's successor stores.
 template <bool kScan>
 __device__ __forceinline__ u64 next_link(const Record& r) {
-    if (kScan) return reduce61(mulmod61(SCAN_MUL, reduce61(r.link)) + scan_term(r.token, r.position));
-    return mix3(r.link, r.token, r.position);
+    return advance<kScan>(r.link, r.token, r.position);
 }
 
 template <bool kScan>

@@ -30,6 +30,9 @@ namespace kvc {
 // Rows phase: 32-bit table lookups per thread in flight (a block per row leaves few
 // warps per SM, so latency, not bandwidth, bounds it); half as many 64-bit ones.
 inline constexpr int ROW_UNROLL = 8;
+#ifndef KVC_VERIFY_ROW_UNROLL
+#define KVC_VERIFY_ROW_UNROLL 16
+#endif
 
 // Bits of `widths`: which index inputs are int64 (else int32).
 inline constexpr int W_RPI = 0, W_PRE = 1, W_EXT = 2, W_TABLE = 3, W_LUT = 4, W_ETAB = 5, W_EVL = 6;
@@ -129,8 +132,8 @@ __device__ __forceinline__ i64 window_start(const PlanArgs& a, i64 P) {
 }
 
 // In place: a[1..n] holds counts; afterwards a[0] = 0 and a[1..n] the inclusive
-// sums, a[n+1..tail_end] the total. Returns the total (every thread). One block.
-__device__ i64 scan_counts(i64* a, i64 n, i64 tail_end, i64* sh) {
+// sums. Returns the total (every thread). One block.
+__device__ i64 scan_counts(i64* a, i64 n, i64* sh) {
     unsigned t = threadIdx.x, nt = blockDim.x, lane = lane_id(), w = t >> 5;
     i64 per = (n + nt - 1) / nt;
     i64 b = (i64)t * per, e = b + per < n ? b + per : n;
@@ -161,9 +164,21 @@ __device__ i64 scan_counts(i64* a, i64 n, i64 tail_end, i64* sh) {
     }
     i64 total = sh[32];
     if (t == 0) a[0] = 0;
-    for (i64 i = n + 1 + t; i <= tail_end; i += nt) a[i] = total;
     __syncthreads();
     return total;
+}
+
+// The plans' entries past the batch's rows: offsets [bs + 1, max_batch] hold the totals,
+// seeds [bs, max_batch) -1. No kernel of this launch reads them, so they are stored off
+// the critical path: grid-stride over `blocks` blocks from `block`.
+__device__ __forceinline__ void plan_tails(const PlanArgs& a, i64 vtotal, i64 wtotal, i64 block, i64 blocks) {
+    const i64 stride = blocks * blockDim.x, first = block * blockDim.x + threadIdx.x;
+    if (a.vp_offsets != nullptr)
+        for (i64 i = a.bs + 1 + first; i <= a.vp_max_batch; i += stride) a.vp_offsets[i] = vtotal;
+    if (a.wp_offsets != nullptr) {
+        for (i64 i = a.bs + 1 + first; i <= a.wp_max_batch; i += stride) a.wp_offsets[i] = wtotal;
+        for (i64 i = a.bs + first; i < a.wp_max_batch; i += stride) a.wp_seeds[i] = -1;
+    }
 }
 
 // Whether row r's scalar inputs are in range (plan_row's first test): a request-table
@@ -197,10 +212,10 @@ struct KeptSlots {
 // is used, and nothing between them branches (NVCC would otherwise convert each int32
 // value, or divide by the page, right after its load and wait for it there: a round
 // trip per load instead of per round).
-template <typename T, bool kToken>
+template <typename T, bool kToken, int kUnroll>
 __device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row, i64 lo, i64 P, i64* last,
                                                 KeptSlots kept) {
-    constexpr int U = ROW_UNROLL * 4 / (int)sizeof(T);
+    constexpr int U = kUnroll * 4 / (int)sizeof(T);
     bool bad = false, has_last = false;
     i64 last_slot = -1;
     const i64 step = (i64)blockDim.x * U;
@@ -233,17 +248,19 @@ __device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row,
 // Whether every position in [lo, P) of request-table row rp has a readable slot, in
 // every thread; the thread that checks position P - 1 stores its slot (or -1) in *last,
 // and `kept` receives the slots of its positions. Every thread of the block must call it.
+// kUnroll: 32-bit loads per thread in flight (a kernel with registers to spare takes more).
+template <int kUnroll = ROW_UNROLL>
 __device__ __forceinline__ bool row_readable(const PlanArgs& a, i64 rp, i64 lo, i64 P, i64* last,
                                              KeptSlots kept = KeptSlots{nullptr, 0, 0}) {
     const i64 base = rp * a.twidth;
     if (width_bit(a.widths, W_TABLE)) {
         const i64* row = (const i64*)a.table + base;
-        return a.page == 1 ? row_readable_in<i64, true>(a, row, lo, P, last, kept)
-                           : row_readable_in<i64, false>(a, row, lo, P, last, kept);
+        return a.page == 1 ? row_readable_in<i64, true, kUnroll>(a, row, lo, P, last, kept)
+                           : row_readable_in<i64, false, kUnroll>(a, row, lo, P, last, kept);
     }
     const int* row = (const int*)a.table + base;
-    return a.page == 1 ? row_readable_in<int, true>(a, row, lo, P, last, kept)
-                       : row_readable_in<int, false>(a, row, lo, P, last, kept);
+    return a.page == 1 ? row_readable_in<int, true, kUnroll>(a, row, lo, P, last, kept)
+                       : row_readable_in<int, false, kUnroll>(a, row, lo, P, last, kept);
 }
 
 // Row r (thread 0 gets the results): validity, and the counts and seed it stores.
@@ -270,22 +287,24 @@ __device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors, 
     }
 }
 
-// The counts of every row are in: prefix sums and plan scalars. One block.
-__device__ void plan_scan(const PlanArgs& a, i64* sh) {
+// The counts of every row are in: prefix sums and plan scalars. One block; the totals
+// go to vtotal / wtotal (for plan_tails, after the scan is published).
+__device__ void plan_scan(const PlanArgs& a, i64* sh, i64& vtotal, i64& wtotal) {
+    vtotal = wtotal = 0;
     if (a.vp_offsets != nullptr) {
-        i64 total = scan_counts(a.vp_offsets, a.bs, a.vp_max_batch, sh);
+        i64 total = vtotal = scan_counts(a.vp_offsets, a.bs, sh);
         if (threadIdx.x == 0) {
             *a.vp_requested = total;
             *a.vp_num_valid = total < a.vp_capacity ? total : a.vp_capacity;
             *a.vp_enable = total <= a.vp_capacity ? 1 : 0;
-            // One thread of one block: plain read-modify-writes, ordered by the stream.
-            if (total > a.vp_capacity) *a.vp_overflows += 1;
-            if (total > *a.vp_max_requested) *a.vp_max_requested = total;
+            // Atomics whose result is not used: the scan publishes its flag without waiting
+            // for a read of either (the other blocks wait on that flag).
+            if (total > a.vp_capacity) atomicAdd((u64*)a.vp_overflows, 1ULL);
+            atomicMax(a.vp_max_requested, total);
         }
     }
     if (a.wp_offsets != nullptr) {
-        scan_counts(a.wp_offsets, a.bs, a.wp_max_batch, sh);
-        for (i64 i = a.bs + threadIdx.x; i < a.wp_max_batch; i += blockDim.x) a.wp_seeds[i] = -1;
+        wtotal = scan_counts(a.wp_offsets, a.bs, sh);
         if (threadIdx.x == 0) *a.wp_num_rows = a.bs;
     }
 }
@@ -494,6 +513,7 @@ struct SmallRows {
     i64 lim[SMALL_ROWS];       // expected tokens: the row's valid length, at most the table's width
     i64 tile_end[SMALL_ROWS];  // inclusive prefix sums of the rows' tile counts
     i64 tiles, entries;        // totals over the rows
+    i64 writes;                // the rows' write lengths, summed over the rows whose inputs are in range
     i64 tile, seed, offset;    // the block's current tile; its row's seed slot and first entry
     i64 invalid;               // rows this block found unreadable (it holds their first tiles)
     i64 slot[SMALL_TILE + 1];  // the slots of the tile's positions, after its first's predecessor
@@ -506,7 +526,7 @@ __device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, Small
         a.bs > (i64)blockDim.x)
         return false;
     const i64 r = threadIdx.x;
-    i64 n = 0, tiles = 0;
+    i64 n = 0, tiles = 0, w = 0;
     if (r < a.bs) {
         const i64 rp = load_index(a.rpi, width_bit(a.widths, W_RPI), r);
         const i64 P = load_index(a.pre, width_bit(a.widths, W_PRE), r);
@@ -517,6 +537,7 @@ __device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, Small
         s.P[r] = P;
         s.E[r] = E;
         s.n[r] = ok ? n : -1;
+        w = ok ? E : 0;
         if (a.erows >= 0) {
             const i64 lim = load_index(a.evl, width_bit(a.widths, W_EVL), r);
             s.lim[r] = lim < a.ewidth ? lim : a.ewidth;
@@ -530,13 +551,19 @@ __device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, Small
     const i64 incl = block_scan((tiles << 32) | n, scratch, total);
     if (r < a.bs) s.tile_end[r] = incl >> 32;
     const i64 entries = total & 0xFFFFFFFFLL;
+    const i64 writes = block_sum(w, scratch);
     if (threadIdx.x == 0) {
         s.tiles = total >> 32;
         s.entries = entries;
+        s.writes = writes;
         s.invalid = 0;
     }
     __syncthreads();
-    return fits && entries <= a.vp_capacity && entries <= a.small_max;
+    const bool small = fits && entries <= a.vp_capacity && entries <= a.small_max;
+    // The plans' tails, if every row is readable (the last block stores them again if not): a
+    // share per block, so that the last block stores none of them.
+    if (small) plan_tails(a, entries, s.writes, blockIdx.x, gridDim.x);
+    return small;
 }
 
 // The small route's tiles for this block (see above).
@@ -574,7 +601,8 @@ __device__ __forceinline__ void small_tiles(const PlanArgs& a, const CheckArgs* 
         if (threadIdx.x == 0) s.seed = -1;
         __syncthreads();
         const i64 first = start + jt * blockDim.x;
-        const bool valid = row_readable(a, rp, start > 0 ? start - 1 : 0, P, &s.seed,
+        const bool valid = row_readable<kVerify ? KVC_VERIFY_ROW_UNROLL : ROW_UNROLL>(
+            a, rp, start > 0 ? start - 1 : 0, P, &s.seed,
                                         KeptSlots{s.slot, first - 1, (i64)blockDim.x + 1});
         if (jt == 0 && threadIdx.x == 0) {  // the row's first tile publishes its verdict
             if (a.wp_offsets != nullptr) a.wp_seeds[r] = valid && s.E[r] > 0 ? s.seed : -1;
@@ -645,32 +673,38 @@ __device__ __forceinline__ void small_finish(const PlanArgs& a, const SmallRows&
     const i64 vi = block_scan(vc, scratch, vt);
     const i64 wi = block_scan(wc, scratch, wt);
     if (r < a.bs) a.vp_offsets[r + 1] = vi;
-    for (i64 i = a.bs + 1 + threadIdx.x; i <= a.vp_max_batch; i += blockDim.x) a.vp_offsets[i] = vt;
-    if (a.wp_offsets != nullptr) {
-        if (r < a.bs) a.wp_offsets[r + 1] = wi;
-        for (i64 i = a.bs + 1 + threadIdx.x; i <= a.wp_max_batch; i += blockDim.x) a.wp_offsets[i] = wt;
-        for (i64 i = a.bs + threadIdx.x; i < a.wp_max_batch; i += blockDim.x) a.wp_seeds[i] = -1;
-    }
+    if (a.wp_offsets != nullptr && r < a.bs) a.wp_offsets[r + 1] = wi;
+    // Every block stored the tails with the totals of a step whose rows are all readable;
+    // only a step with unreadable rows has other totals.
+    if (invalid != 0) plan_tails(a, vt, wt, 0, 1);
     if (threadIdx.x == 0) {
         // The route is taken only when every entry fits: nothing overflows.
         a.vp_offsets[0] = 0;
         *a.vp_requested = vt;
         *a.vp_num_valid = vt;
         *a.vp_enable = 1;
-        if (vt > *a.vp_max_requested) *a.vp_max_requested = vt;
-        if (a.vp_input_errors != nullptr) *a.vp_input_errors += errors;
+        // Atomics whose result is not used, not read-modify-writes: nothing here waits for a read.
+        atomicMax(a.vp_max_requested, vt);
+        if (errors != 0 && a.vp_input_errors != nullptr) atomicAdd((u64*)a.vp_input_errors, (u64)errors);
         if (a.wp_offsets != nullptr) {
             a.wp_offsets[0] = 0;
             *a.wp_num_rows = a.bs;
-            if (a.wp_input_errors != nullptr) *a.wp_input_errors += errors;
+            if (errors != 0 && a.wp_input_errors != nullptr) atomicAdd((u64*)a.wp_input_errors, (u64)errors);
         }
     }
 }
 
+// What the last block out runs after the plan (step.cu's write); by default nothing.
+struct NoTail {
+    __device__ __forceinline__ void last_block(const PlanArgs&, const CheckArgs*) const {}
+};
+
 // The whole plan in one launch (see the top of the file for the phases); with
-// kVerify, the fill checks each entry instead of writing it (plan_and_verify).
-template <bool kVerify, bool kFp, bool kScan>
-__device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c) {
+// kVerify, the fill checks each entry instead of writing it (plan_and_verify). The
+// last block out then runs `tail` (every thread of it): every other block's reads
+// are over by then.
+template <bool kVerify, bool kFp, bool kScan, typename Tail = NoTail>
+__device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c, const Tail& tail = Tail{}) {
     __shared__ i64 sh[33];
     __shared__ i64 s_row, s_seed;
     __shared__ int s_scan, s_last;
@@ -715,10 +749,12 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
         __syncthreads();
         if (s_scan) {
             __threadfence();
-            plan_scan(a, sh);
+            i64 vtotal, wtotal;
+            plan_scan(a, sh, vtotal, wtotal);
             __threadfence();  // every thread's offsets before the flag
             __syncthreads();
             if (threadIdx.x == 0) atomicExch((u64*)(sync + SYNC_SCANNED), 1ULL);
+            plan_tails(a, vtotal, wtotal, 0, 1);
         }
         if (a.vp_offsets != nullptr) {
             // Waits only on the scanning block, which is running: every row has been
@@ -757,7 +793,10 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
     __syncthreads();
     if (!s_last) return;
     // The last block out: no other block reads the state any more; ready the next launch.
-    __threadfence();
+    // It acquires what the others published before their exit atomics only where it reads
+    // it below (the verdicts of a step with unreadable rows, the digest's scalars): a clean
+    // small step's last block waits for nothing.
+    if ((small && s_invalid != 0) || (kVerify && c->digest != nullptr)) __threadfence();
     if (small) small_finish(a, s_small, s_invalid, sh);
     if (threadIdx.x == 0) {
         sync[SYNC_ROWS_CLAIMED] = 0;
@@ -775,8 +814,9 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c)
                 *c->digest = (i64)d;
             }
         }
-        __threadfence();
     }
+    __syncthreads();  // the plan's scalars and offsets, written by this block, before the tail reads them
+    tail.last_block(a, c);
 }
 
 __global__ void __launch_bounds__(256, 4) plan_step(PlanArgs a) { plan_body<false, false, false>(a, nullptr); }

@@ -1,4 +1,5 @@
-"""plan(), write(), verify(), plan_and_verify(), scatter_expected_tokens(): validate, then dispatch.
+"""plan(), write(), verify(), plan_and_verify(), plan_verify_write(), scatter_expected_tokens(): validate,
+then dispatch.
 
 Every op checks what the host can see (types, dtypes, shapes, devices, which
 arguments go together) and raises ``kvcanary:`` errors for misuse, then hands
@@ -354,6 +355,16 @@ def _prepare_write(args, stream) -> _Call:
     device = _canary_device(canary, write_plan=(write_plan, WritePlan), log=(log, ViolationLog))
     tag = scalars.check_tag(tag)
     _outputs_apart("write", canary, log, write_plan=write_plan)
+    tokens, given, views = _token_inputs(device, input_ids, positions, out_cache_loc, expected_inputs)
+    srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
+    extra = {} if digest is None else {"digest": _write_digest(digest, device, canary, log)}
+    return _Call(backend_for(device).prepare_write, device, (canary, write_plan),
+                 dict(**tokens, log=log, tag=tag, sources=srcs, mode=mode, **extra), stream, given=given, views=views)
+
+
+def _token_inputs(device: str, input_ids, positions, out_cache_loc, expected_inputs):
+    """Validate a write's token inputs: (the backend's keyword arguments, the caller's arrays,
+    their imported views)."""
     ids = arrays.as_index_array(input_ids, "input_ids", device=device)
     pos = arrays.as_index_array(positions, "positions", device=device)
     loc = arrays.as_index_array(out_cache_loc, "out_cache_loc", device=device)
@@ -368,12 +379,8 @@ def _prepare_write(args, stream) -> _Call:
         if expected_inputs[1] is not None:
             exp_pos = arrays.as_index_array(expected_inputs[1], "expected_inputs[1]", device=device)
             given.append(expected_inputs[1]), views.append(exp_pos)
-    srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
-    extra = {} if digest is None else {"digest": _write_digest(digest, device, canary, log)}
-    return _Call(backend_for(device).prepare_write, device, (canary, write_plan),
-                 dict(input_ids=ids, positions=pos, out_cache_loc=loc, log=log, tag=tag, sources=srcs,
-                      mode=mode, expected_tokens=exp_tok, expected_positions=exp_pos, **extra),
-                 stream, given=tuple(given), views=tuple(views))
+    return (dict(input_ids=ids, positions=pos, out_cache_loc=loc, expected_tokens=exp_tok, expected_positions=exp_pos),
+            tuple(given), tuple(views))
 
 
 def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, tag: int,
@@ -473,19 +480,7 @@ def plan_and_verify(verify_plan: VerifyPlan, write_plan: WritePlan | None, canar
 
 def _prepare_plan_and_verify(args, stream) -> _Call:
     pobjs, vargs, digest = args
-    verify_plan, write_plan = pobjs[:2]
-    canary = vargs[0]
-    if verify_plan is None:
-        raise ValueError("kvcanary: verify_plan: plan_and_verify needs a VerifyPlan (plan() alone plans writes only)")
-    device, vinputs = _verify_inputs("plan_and_verify", vargs)
-    pdevice, pinputs, given, views = _plan_inputs(pobjs)
-    if pdevice != device:
-        raise ValueError(f"kvcanary: verify_plan: expected it on {device} like the canary, got {pdevice}")
-    named = {f"verify_plan.{f}": getattr(verify_plan, f) for f in VerifyPlan.FIELDS}
-    if write_plan is not None:
-        named.update({f"write_plan.{f}": getattr(write_plan, f) for f in WritePlan.FIELDS})
-    named.update({"canary.records": canary.records, "log.ring": vinputs["log"].ring, "log.head": vinputs["log"].head,
-                  "log.counters": vinputs["log"].counter_array})
+    device, pinputs, vinputs, named, given, views = _plan_verify_inputs("plan_and_verify", pobjs, vargs)
     if digest is not None:
         view = arrays.as_array(digest, "digest", dtypes=arrays.INT64, ndim=1, device=device, writable=True)
         if view.shape[0] != 1:
@@ -494,8 +489,114 @@ def _prepare_plan_and_verify(args, stream) -> _Call:
         vinputs["digest"] = view
         given, views = (*given, digest), (*views, view)
     arrays.check_disjoint("plan_and_verify", named)
-    return _Call(backend_for(device).prepare_plan_and_verify, device, (verify_plan, write_plan, canary),
+    return _Call(backend_for(device).prepare_plan_and_verify, device, (pobjs[0], pobjs[1], vargs[0]),
                  {**pinputs, **vinputs}, stream, given=given, views=views)
+
+
+def _plan_verify_inputs(op: str, pobjs, vargs):
+    """Validate the plan and verify arguments of a fused op: (device, the plan's and the
+    verify's backend keyword arguments, the buffers it writes by name (to check apart),
+    the caller's arrays and their views)."""
+    verify_plan, write_plan = pobjs[:2]
+    canary = vargs[0]
+    if verify_plan is None:
+        raise ValueError(f"kvcanary: verify_plan: {op} needs a VerifyPlan (plan() alone plans writes only)")
+    device, vinputs = _verify_inputs(op, vargs)
+    pdevice, pinputs, given, views = _plan_inputs(pobjs)
+    if pdevice != device:
+        raise ValueError(f"kvcanary: verify_plan: expected it on {device} like the canary, got {pdevice}")
+    named = {f"verify_plan.{f}": getattr(verify_plan, f) for f in VerifyPlan.FIELDS}
+    if write_plan is not None:
+        named.update({f"write_plan.{f}": getattr(write_plan, f) for f in WritePlan.FIELDS})
+    named.update({"canary.records": canary.records, "log.ring": vinputs["log"].ring, "log.head": vinputs["log"].head,
+                  "log.counters": vinputs["log"].counter_array})
+    return device, pinputs, vinputs, named, given, views
+
+
+STEP_WRITE_TOKENS = 256  # the most input tokens plan_verify_write stamps in its launch
+
+
+def plan_verify_write(verify_plan: VerifyPlan, write_plan: WritePlan, canary: CanaryBuffer, *,
+                      req_pool_indices, prefix_lens, extend_lens, req_to_token=None, block_table=None,
+                      page_size: int | None = None, swa: SwaWindow | None = None,
+                      expected: ExpectedTokens | None = None, input_ids, positions, out_cache_loc,
+                      expected_inputs=None, log: ViolationLog, tag: int, write_tag: int, check_tokens: bool = False,
+                      stream=None, **extra) -> None:
+    """:func:`plan`, :func:`verify` and :func:`write` of a small step in one launch.
+
+    For an engine that knows a step's token ids, positions and slots before its forward
+    (SGLang's ``forward_batch``, vLLM's slot mapping) and keeps no real-KV fingerprints:
+    a record without them holds nothing the forward writes, so it can be stamped before
+    the forward. A decode step is then a single launch. The writes come after every read
+    of the step's check, so a slot the step both reads and writes is checked as it was.
+
+    Takes :func:`plan_and_verify`'s arguments but the real-KV ones (the mode is NONE)
+    and :func:`write`'s token inputs, and leaves exactly what ``plan_and_verify(...)``
+    followed by ``write(...)`` leaves (the same violation rows as a multiset, counters,
+    plans, records; ``kernel_runs`` counts both). As with :func:`plan_and_verify`, CUDA
+    does not write the verify plan's per-entry arrays.
+
+    Args:
+        verify_plan, write_plan, canary, req_pool_indices, prefix_lens, extend_lens,
+        req_to_token, block_table, page_size, swa, expected, check_tokens: as for
+            :func:`plan_and_verify`; the write plan is required.
+        input_ids, positions, out_cache_loc, expected_inputs: as for :func:`write`:
+            int32 / int64 ``[n]`` with ``n <= STEP_WRITE_TOKENS`` (256; the shortest of
+            them is what the step may write). A larger step calls
+            :func:`plan_and_verify`, then :func:`write`.
+        log: where both checks' violation rows and counters go.
+        tag: the verify's rows' tag (e.g. ``LaunchTag.VERIFY``); ``write_tag``: the
+            write's (e.g. ``LaunchTag.WRITE``).
+        stream: CUDA stream.
+
+    Example::
+
+        >>> import numpy as np, kvcanary_cupy as kc
+        >>> canary = kc.CanaryBuffer.allocate(num_slots=32)
+        >>> vp, wp = kc.VerifyPlan.allocate(capacity=64, max_batch=1), kc.WritePlan.allocate(max_batch=1)
+        >>> log = kc.ViolationLog.allocate(capacity=8)
+        >>> table = np.arange(1, 33, dtype=np.int32).reshape(2, 16)
+        >>> step = dict(req_pool_indices=np.array([1]), req_to_token=table, log=log, tag=kc.LaunchTag.VERIFY,
+        ...             write_tag=kc.LaunchTag.WRITE)
+        >>> kc.plan_verify_write(vp, wp, canary, prefix_lens=np.array([0]), extend_lens=np.array([2]),
+        ...                      input_ids=np.array([5, 6]), positions=np.array([0, 1]),
+        ...                      out_cache_loc=table[1, :2], **step)
+        >>> kc.plan_verify_write(vp, wp, canary, prefix_lens=np.array([2]), extend_lens=np.array([1]),
+        ...                      input_ids=np.array([7]), positions=np.array([2]), out_cache_loc=table[1, 2:3],
+        ...                      **step)
+        >>> log.count, log.counters()["slots_checked"], canary.records[[17, 18, 19], 0].tolist()
+        (0, 2, [5, 6, 7])
+    """
+    if extra:
+        _no_extra("plan_verify_write", extra)
+    pobjs = (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
+             page_size, swa, expected)
+    exp = tuple(expected_inputs) if isinstance(expected_inputs, (tuple, list)) else (expected_inputs,)
+    wobjs = (input_ids, positions, out_cache_loc, *exp)
+    key = ("plan_verify_write", *_plan_key(pobjs), id(canary), id(log), tag, type(tag), write_tag, type(write_tag),
+           check_tokens, type(check_tokens), len(exp), *map(_array, wobjs))
+    _run(_cache_of(canary, CanaryBuffer), key, (*pobjs, canary, log, *wobjs), _prepare_plan_verify_write,
+         (pobjs, (canary, verify_plan, log, tag, (), RealKvMode.NONE, check_tokens, None),
+          (input_ids, positions, out_cache_loc, expected_inputs), write_tag), stream)
+
+
+def _prepare_plan_verify_write(args, stream) -> _Call:
+    pobjs, vargs, wargs, write_tag = args
+    if pobjs[1] is None:
+        raise ValueError("kvcanary: write_plan: plan_verify_write writes the step; pass its WritePlan")
+    device, pinputs, vinputs, named, given, views = _plan_verify_inputs("plan_verify_write", pobjs, vargs)
+    write_tag = scalars.check_tag(write_tag, "write_tag")
+    arrays.check_disjoint("plan_verify_write", named)
+    tokens, wgiven, wviews = _token_inputs(device, *wargs)
+    n = min(int(v.shape[0]) for v in wviews)
+    if n > STEP_WRITE_TOKENS:
+        raise ValueError(f"kvcanary: input_ids: plan_verify_write stamps at most {STEP_WRITE_TOKENS} tokens in its "
+                         f"launch, got {n} (the shortest of the token inputs); slice them to the step's tokens, "
+                         "or call plan_and_verify, then write")
+    del vinputs["sources"], vinputs["mode"], vinputs["sample"]
+    return _Call(backend_for(device).prepare_plan_verify_write, device, (pobjs[0], pobjs[1], vargs[0]),
+                 {**pinputs, **vinputs, **tokens, "write_tag": write_tag}, stream, given=given + wgiven,
+                 views=views + wviews)
 
 
 def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=None, **extra) -> None:

@@ -38,6 +38,13 @@ class Backend(Protocol):
         """plan then verify in one launch (see ``ops.plan_and_verify``)."""
         ...
 
+    def prepare_plan_verify_write(self, vp, wp, canary, *, req_pool_indices, prefix_lens, extend_lens, table,
+                                  page_size: int, swa, expected, log, tag: int, write_tag: int, check_tokens: bool,
+                                  input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
+                                  stream: int | None) -> Launch:
+        """plan, verify and write (no real-KV folds) in one launch (see ``ops.plan_verify_write``)."""
+        ...
+
     def prepare_scatter(self, table, *, tokens, offsets, req_pool_indices, stream: int | None) -> Launch: ...
 
     def prepare_digest(self, rows, *, out, carry, stream: int | None) -> Launch:

@@ -61,6 +61,11 @@ CHECK_FIELDS = (
     "records", "num_slots", "ring", "head", "ring_capacity", "counters", "tag", "check_tokens", "folds", "num_folds",
     "sample_state", "period", "digest",
 )
+# plan_verify_write_step's argument (step.cu PlanVerifyWriteArgs): PLAN_FIELDS, then the
+# check's with a ``c_`` prefix, then these (StepWriteArgs) with a ``w_`` prefix.
+STEP_WRITE_FIELDS = ("input_ids", "positions", "out_cache_loc", "exp_tokens", "exp_positions", "widths", "avail", "tag",
+                     "position_check")
+STEP_TOKENS = 256  # step.cu STEP_TOKENS: the most input tokens plan_verify_write stamps
 SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths")
 MAX_UPDATE_TARGETS = 4  # scatter.cu
 UPDATE_FIELDS = (("words", "copy_to", "copy_words", "shift", "index", "value", "count")
@@ -88,6 +93,8 @@ WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false>", (False, True
 VERIFY_KERNELS = {(False, False): "kvc::verify_entries<false, false>",
                   (False, True): "kvc::verify_entries<false, true>",
                   (True, False): "kvc::verify_entries<true, false>", (True, True): "kvc::verify_entries<true, true>"}
+STEP_KERNELS = {(False, False): "kvc::plan_verify_write_step<false>",
+                (False, True): "kvc::plan_verify_write_step<true>"}  # no real-KV folds
 PLAN_VERIFY_KERNELS = {(False, False): "kvc::plan_verify_step<false, false>",
                        (False, True): "kvc::plan_verify_step<false, true>",
                        (True, False): "kvc::plan_verify_step<true, false>",
@@ -303,8 +310,10 @@ def _sync_state(owner, dev: int, stream: int) -> int:
 
 
 def _plan_values(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected,
-                 stream: int) -> tuple[dict, int, int]:
-    """(PLAN_FIELDS values, device, grid threads) of a plan."""
+                 stream: int) -> tuple[dict, int, int, int]:
+    """(PLAN_FIELDS values, device, grid threads, most verify entries) of a plan. A step's entries
+    are bounded by shapes alone: the plan's capacity, and each row's positions (the table's
+    width, or the window), so a small step of a large plan gets a small grid."""
     owner = vp if vp is not None else wp
     dev = _dev(owner.offsets)
     bs = req_pool_indices.shape[0]
@@ -330,14 +339,15 @@ def _plan_values(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, p
     if wp is not None:
         v.update(wp_offsets=_ptr(wp.offsets), wp_seeds=_ptr(wp.seed_slots), wp_num_rows=_ptr(wp.num_rows),
                  wp_input_errors=_ptr(wp.input_errors), wp_max_batch=wp.max_batch)
-    cap = vp.capacity if vp is not None else 0  # a block per batch row, a thread per entry, one wave at most
-    return v, dev, max(bs * BLOCK, cap)
+    per_row = min(table.shape[1] * page_size, swa.size if swa is not None else table.shape[1] * page_size)
+    entries = min(vp.capacity, bs * per_row) if vp is not None else 0
+    return v, dev, max(bs * BLOCK, entries), entries  # a block per batch row, a thread per entry
 
 
 def prepare_plan(vp, wp, *, stream=None, **inputs) -> _Launch:
     """See :func:`kvcanary_cupy.ops.plan`; views already validated."""
     rt = _runtime()
-    v, dev, threads = _plan_values(vp, wp, stream=_stream(stream), **inputs)
+    v, dev, threads, _ = _plan_values(vp, wp, stream=_stream(stream), **inputs)
     fn = rt.function("plan", "kvc::plan_step", dev)
     return _Launch(PLAN_FIELDS, fn, dev, v, _blocks(threads, rt.resident_blocks(fn, dev)))
 
@@ -347,14 +357,47 @@ def prepare_plan_and_verify(vp, wp, canary, *, log, tag, sources, mode, check_to
     """See :func:`kvcanary_cupy.ops.plan_and_verify`; views already validated. One launch
     of plan_verify_step: the plan's fill checks each entry instead of writing it."""
     stream = _stream(stream)
-    v, dev, threads = _plan_values(vp, wp, stream=stream, **plan_inputs)
+    v, dev, threads, entries = _plan_values(vp, wp, stream=stream, **plan_inputs)
     fn, dev, nf, c = _canary_fields("plan", PLAN_VERIFY_KERNELS, canary, log, tag, sources, mode, stream)
     c.update(check_tokens=1 if check_tokens else 0, sample_state=_ptr(sample.state) if sample is not None else 0,
              period=sample.period if sample is not None else 1, digest=_ptr(digest) if digest is not None else 0)
     values = {**v, **{f"c_{k}": x for k, x in c.items()}}
     fields = PLAN_FIELDS + tuple(f"c_{k}" for k in CHECK_FIELDS)
-    threads = max(threads, vp.capacity * (min(nf, 32) if nf else 1))
+    threads = max(threads, entries * (min(nf, 32) if nf else 1))
     return _Launch(fields, fn, dev, values, _blocks(threads, _runtime().resident_blocks(fn, dev)))
+
+
+def prepare_plan_verify_write(vp, wp, canary, *, log, tag, write_tag, check_tokens, input_ids, positions,
+                              out_cache_loc, expected_tokens, expected_positions, stream=None,
+                              **plan_inputs) -> _Launch:
+    """See :func:`kvcanary_cupy.ops.plan_verify_write`; views already validated. One launch of
+    plan_verify_write_step: plan_and_verify's, whose last block out then stamps the tokens."""
+    stream = _stream(stream)
+    v, dev, threads, _ = _plan_values(vp, wp, stream=stream, **plan_inputs)
+    fn, dev, _, c = _canary_fields("step", STEP_KERNELS, canary, log, tag, (), RealKvMode.NONE, stream)
+    c.update(check_tokens=1 if check_tokens else 0, sample_state=0, period=1, digest=0)
+    w, widths, avail = _token_inputs(input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
+    w.update(widths=widths, avail=avail, tag=_i64(write_tag), position_check=_ptr(wp.position_check))
+    values = {**v, **{f"c_{k}": x for k, x in c.items()}, **{f"w_{k}": x for k, x in w.items()}}
+    fields = PLAN_FIELDS + tuple(f"c_{k}" for k in CHECK_FIELDS) + tuple(f"w_{k}" for k in STEP_WRITE_FIELDS)
+    return _Launch(fields, fn, dev, values, _blocks(threads, _runtime().resident_blocks(fn, dev)))
+
+
+def _token_inputs(input_ids, positions, out_cache_loc, expected_tokens, expected_positions) -> tuple[dict, int, int]:
+    """(addresses, widths bits, shortest length) of a write's token inputs: write.cu's and
+    step.cu's ``widths`` (which are int64, which expected ones are given) and ``avail``."""
+    v = dict(input_ids=_ptr(input_ids), positions=_ptr(positions), out_cache_loc=_ptr(out_cache_loc))
+    avail = min(input_ids.shape[0], positions.shape[0], out_cache_loc.shape[0])
+    widths = _wide(input_ids) | _wide(positions) << 1 | _wide(out_cache_loc) << 2
+    if expected_tokens is not None:
+        avail = min(avail, expected_tokens.shape[0])
+        widths |= _wide(expected_tokens) << 3 | HAS_ETOK
+        v["exp_tokens"] = _ptr(expected_tokens)
+    if expected_positions is not None:
+        avail = min(avail, expected_positions.shape[0])
+        widths |= _wide(expected_positions) << 4 | HAS_EPOS
+        v["exp_positions"] = _ptr(expected_positions)
+    return v, widths, avail
 
 
 # --- write and verify ------------------------------------------------------------
@@ -397,19 +440,9 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
     :class:`~kvcanary_cupy.digest.Digest`), one extra block of the launch computes it."""
     stream = _stream(stream)
     fn, dev, nf, v = _canary_fields("write", WRITE_KERNELS, canary, log, tag, sources, mode, stream)
-    avail = min(input_ids.shape[0], positions.shape[0], out_cache_loc.shape[0])
-    widths = _wide(input_ids) | _wide(positions) << 1 | _wide(out_cache_loc) << 2
-    if expected_tokens is not None:
-        avail = min(avail, expected_tokens.shape[0])
-        widths |= _wide(expected_tokens) << 3 | HAS_ETOK
-        v["exp_tokens"] = _ptr(expected_tokens)
-    if expected_positions is not None:
-        avail = min(avail, expected_positions.shape[0])
-        widths |= _wide(expected_positions) << 4 | HAS_EPOS
-        v["exp_positions"] = _ptr(expected_positions)
-    v.update(offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
-             position_check=_ptr(wp.position_check), max_batch=wp.max_batch, input_ids=_ptr(input_ids),
-             positions=_ptr(positions), out_cache_loc=_ptr(out_cache_loc), widths=widths, avail=avail)
+    tokens, widths, avail = _token_inputs(input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
+    v.update(tokens, offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
+             position_check=_ptr(wp.position_check), max_batch=wp.max_batch, widths=widths, avail=avail)
     # A warp per row for the chain (a scan chain's long rows: a block per row, when the inputs
     # are long enough to hold one); with folds, up to 32 lanes per token fingerprint.
     scan = canary.chain == fmt.CHAIN_SCAN

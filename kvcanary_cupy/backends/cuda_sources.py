@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def _instances(kernel: str) -> tuple[str, ...]:
 MODULES: dict[str, KernelModule] = {
     "plan": KernelModule("plan.cu", OPTIONS, ("kvc::plan_step", *_instances("kvc::plan_verify_step"))),
     "write": KernelModule("write.cu", OPTIONS, _instances("kvc::write_tokens")),
+    "step": KernelModule("step.cu", OPTIONS, ("kvc::plan_verify_write_step<false>",
+                                              "kvc::plan_verify_write_step<true>")),
     "verify": KernelModule("verify.cu", OPTIONS, _instances("kvc::verify_entries")),
     "scatter": KernelModule("scatter.cu", OPTIONS, ("kvc::scatter_expected_tokens", "kvc::apply_updates")),
     "digest": KernelModule("digest.cu", OPTIONS, ("kvc::digest_rows", "kvc::compare_digests")),
@@ -68,11 +71,38 @@ def kernels_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def source(family: str) -> str:
-    """The full text of a kernel family's module, common header inlined."""
+    """The full text of a kernel family's module: its file with every ``#include`` of
+    another file of ``kernels_cu/`` inlined (each once; a module may build on another
+    family's file, as ``step.cu`` on ``plan.cu``), the common header among them."""
     if family not in MODULES:
         raise KeyError(f"kvcanary: no kernel family {family!r}; known: {sorted(MODULES)}")
     file = MODULES[family].file
-    return inline_header((kernels_dir() / file).read_text(), what=file)
+    text = (kernels_dir() / file).read_text()
+    if _INCLUDE not in text and not _LOCAL.search(text):
+        raise ValueError(f"kvcanary: {file} does not include {HEADER}")
+    return _inline_local(text, {file})
+
+
+_LOCAL = re.compile(r'^#include "([\w.]+\.cu)"\n', re.M)
+
+
+def _inline_local(text: str, seen: set) -> str:
+    """``text`` with each ``#include "X.cu"`` replaced by X's text (recursively, once per
+    file) and the common header inlined once."""
+    def one(m):
+        name = m.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return _inline_local((kernels_dir() / name).read_text(), seen)
+
+    text = _LOCAL.sub(one, text)
+    if _INCLUDE not in text:
+        return text
+    if HEADER in seen:
+        return text.replace(_INCLUDE + "\n", "", 1)
+    seen.add(HEADER)
+    return inline_header(text)
 
 
 def inline_header(text: str, *, what: str = "the source") -> str:

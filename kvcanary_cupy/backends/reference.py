@@ -500,6 +500,18 @@ def prepare_plan_and_verify(vp, wp, canary, *, stream=None, log, tag, sources, m
     return run
 
 
+def prepare_plan_verify_write(vp, wp, canary, *, stream=None, log, tag, write_tag, check_tokens, input_ids,
+                              positions, out_cache_loc, expected_tokens, expected_positions, **plan_inputs):
+    """:func:`plan`, :func:`verify`, then :func:`write` (no real-KV folds), bound."""
+    def run(_stream):
+        plan(vp, wp, **plan_inputs)
+        verify(canary, vp, log=log, tag=tag, sources=(), mode=RealKvMode.NONE, check_tokens=check_tokens, sample=None)
+        write(canary, wp, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, log=log,
+              tag=write_tag, sources=(), mode=RealKvMode.NONE, expected_tokens=expected_tokens,
+              expected_positions=expected_positions)
+    return run
+
+
 def entry_digest(vp, *, out):
     """The digest of ``vp``'s verify entries into ``out[0]``: :func:`digest` over its four entry
     arrays with ``format.ENTRY_DIGEST_SALTS``, ``num_valid`` their count and ``enable`` their gate."""

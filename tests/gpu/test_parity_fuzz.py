@@ -37,6 +37,7 @@ from kvcanary_cupy import (
     runtime,
 )
 from kvcanary_cupy import format as fmt
+from kvcanary_cupy import ops
 from kvcanary_cupy.backends import reference
 
 pytestmark = pytest.mark.gpu
@@ -212,6 +213,7 @@ def gen_case(rng, scale: float = 1.0) -> dict:
     c["plans"] = str(rng.choice(["both", "both", "both", "verify", "write"]))
     c["chain"] = str(rng.choice(["scan", "sglang"]))
     c["fused"] = rng.random() < 0.5  # also plan_and_verify against plan + verify
+    c["stamp"] = rng.random() < 0.5  # also plan_verify_write against plan + verify + write
     return c
 
 
@@ -611,8 +613,69 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
             _eq("plan_and_verify sampler", dev.to_host(D["fsample"].state), ref.to_host(R["fsample"].state))
 
 
+    # plan_verify_write on the device against plan, verify and write on the reference: the
+    # whole step in one launch (no real-KV folds), for steps of at most STEP_WRITE_TOKENS tokens.
+    if with_vp and with_wp and c["stamp"]:
+        stamp_step(c, rng, ref, dev, R, D, logs, tag, rpi, pre, ext, table, lut, exp)
+
+
+STAMPED = [0]  # cases that ran plan_verify_write (their steps fit its token bound)
+
+
+def stamp_step(c, rng, ref: Side, dev: Side, R, D, logs, tag, rpi, pre, ext, table, lut, exp) -> None:
+    check_tokens = bool(rng.random() < 0.6)
+    write_tag = int(rng.integers(-3, 10))
+
+    def plan_in(side):
+        d = side.to_dev
+        swa = SwaWindow(c["swa"][0], d(lut)) if lut is not None else None
+        et = ExpectedTokens(d(exp[0]), d(exp[1]), exp[2]) if exp is not None else None
+        return dict(req_pool_indices=d(rpi), prefix_lens=d(pre), extend_lens=d(ext), table=d(table),
+                    page_size=c["page"], swa=swa, expected=et)
+
+    # The reference plans first: its write rows say what token inputs the step has.
+    ref.run("plan", R["vp"], R["wp"], **plan_in(ref))
+    wo, seeds = ref.to_host(R["wp"].offsets), ref.to_host(R["wp"].seed_slots)
+    ids, pos, loc = write_inputs(c, rng, wo, seeds, c["bs"])
+    cut = ids.shape[0]
+    if rng.random() < 0.15 and cut > 0:
+        cut = int(rng.integers(0, cut))  # inputs shorter than the plan: INPUT_OUT_OF_RANGE rows
+    if cut > ops.STEP_WRITE_TOKENS:
+        # Beyond the fused op's bound: the reference's plan stands alone, the device plans alike.
+        dev.run("plan", D["vp"], D["wp"], **plan_in(dev))
+        logs.check("plan (a step too long to stamp)")
+        return
+    STAMPED[0] += 1
+    ids, pos, loc = (_idx(rng, a[:cut]) for a in (ids, pos, loc))
+    exp_tok = _idx(rng, np.where(rng.random(cut) < 0.05, np.asarray(ids) + 1, -1)) if rng.random() < 0.3 else None
+    exp_pos = _idx(rng, np.where(rng.random(cut) < 0.05, np.asarray(pos) + 1, -1)) if rng.random() < 0.3 else None
+    for f in VerifyPlan.ENTRY_FIELDS:
+        getattr(D["vp"], f).fill(POISON)
+    for st in (R, D):
+        side = st["side"]
+        d = side.to_dev
+        tokens = dict(input_ids=d(ids), positions=d(pos), out_cache_loc=d(loc),
+                      expected_tokens=d(exp_tok) if exp_tok is not None else None,
+                      expected_positions=d(exp_pos) if exp_pos is not None else None)
+        if st is R:
+            side.run("verify", st["canary"], st["vp"], log=st["log"], tag=tag, sources=(), mode=RealKvMode.NONE,
+                     check_tokens=check_tokens, sample=None)
+            side.run("write", st["canary"], st["wp"], log=st["log"], tag=write_tag, sources=(),
+                     mode=RealKvMode.NONE, **tokens)
+        else:
+            side.run("plan_verify_write", st["vp"], st["wp"], st["canary"], **plan_in(side), log=st["log"], tag=tag,
+                     write_tag=write_tag, check_tokens=check_tokens, **tokens)
+    for f in VerifyPlan.SCALAR_FIELDS + ("offsets",):
+        _eq(f"plan_verify_write vp.{f}", dev.to_host(getattr(D["vp"], f)), ref.to_host(getattr(R["vp"], f)))
+    assert (dev.to_host(D["vp"].slot_indices) == POISON).all(), "plan_verify_write wrote the entries"
+    compare_plans("plan_verify_write", ref, dev, None, None, R["wp"], D["wp"])
+    _eq("plan_verify_write records", dev.to_host(D["canary"].records), ref.to_host(R["canary"].records))
+    logs.check("plan_verify_write")
+
+
 def run_fuzz(ref: Side, dev: Side, cases: int, seed: int, scale: float = 1.0, report=print) -> list:
     failures = []
+    STAMPED[0] = 0
     for i in range(cases):
         try:
             run_case([seed, i], ref, dev, scale)
@@ -620,7 +683,8 @@ def run_fuzz(ref: Side, dev: Side, cases: int, seed: int, scale: float = 1.0, re
             failures.append(f"case {i} (seed [{seed}, {i}]): {e}")
             if len(failures) >= 5:
                 break
-    report(f"kvcanary parity fuzz: {cases} cases, seed {seed}, {len(failures)} failing")
+    report(f"kvcanary parity fuzz: {cases} cases, seed {seed}, {len(failures)} failing "
+           f"({STAMPED[0]} stamped by plan_verify_write)")
     return failures
 
 

@@ -1,0 +1,193 @@
+// step.cu: a small step's plan, verify and write in one launch (plan_verify_write).
+//
+// plan_verify_write_step<kScan> is plan.cu's plan_verify_step (no real-KV folds) with a
+// tail: the block that leaves last, when every other block has read every record it
+// checks, stamps the step's tokens itself. The step's violations, counters, plans and
+// records are exactly those of plan_and_verify followed by write. A step has at most
+// STEP_TOKENS input tokens here (the host refuses more), a thread of the block each:
+//   1. every thread loads its token (slot, id, position and the expected ones) into
+//      shared memory;
+//   2. a thread per write row checks the row's span and seed (write.cu's row_ok), loads
+//      the seed record and walks the row's tokens in shared memory, leaving each token
+//      its link and the chain's previous stored position: a row is a handful of tokens
+//      (decode, speculative steps), so the walk is short and needs no scan;
+//   3. every thread checks and stores its token; a slot written twice is stored by its
+//      last write only (a shared table of the highest token index per slot), as in the
+//      reference, where later rows and later tokens overwrite earlier ones.
+// Without real-KV folds a record holds no K/V bytes (its fingerprint is 0), so it can be
+// stamped before the forward writes the K/V: one launch for a whole decode step.
+#include "plan.cu"
+
+namespace kvc {
+
+inline constexpr i64 STEP_TOKENS = 256;  // tokens the tail takes: one per thread of the block (the launch bounds)
+
+// Bits of StepWriteArgs::widths, as write.cu's: which token inputs are int64, and which
+// expected ones are given.
+inline constexpr int W_IDS = 0, W_POS = 1, W_LOC = 2, W_ETOK = 3, W_EPOS = 4, HAS_ETOK = 5, HAS_EPOS = 6;
+
+// The write's own inputs; the write plan is the plan's (PlanArgs::wp_*), the canary and
+// the log are the verify's (CheckArgs).
+struct StepWriteArgs {
+    const void* input_ids;  // [>= avail]
+    const void* positions;
+    const void* out_cache_loc;
+    const void* exp_tokens;     // used if widths has HAS_ETOK
+    const void* exp_positions;  // used if widths has HAS_EPOS
+    i64 widths;
+    i64 avail;  // the shortest token input, at most STEP_TOKENS
+    i64 tag;    // the write's violation rows
+    const i64* position_check;  // the write plan's switch
+};
+
+struct PlanVerifyWriteArgs {
+    PlanArgs p;
+    CheckArgs c;
+    StepWriteArgs w;
+};
+
+inline constexpr int STEP_TABLE = 2 * STEP_TOKENS;  // the last-write table: at most half full
+inline constexpr u64 STEP_EMPTY = ~0ULL;
+
+struct StepShared {
+    i64 slot[STEP_TOKENS], token[STEP_TOKENS], position[STEP_TOKENS];
+    u64 link[STEP_TOKENS];      // the link token i stores
+    i64 prev[STEP_TOKENS];      // the chain's previous stored position before token i
+    int has_prev[STEP_TOKENS];  // whether there is one
+    int row[STEP_TOKENS];       // token i's live write row, or -1
+    u64 keys[STEP_TABLE];       // slot -> the highest token index that stores it
+    int last[STEP_TABLE];
+};
+
+// Enters slot s stored by token i; returns the table index it took.
+__device__ __forceinline__ int step_enter(StepShared& sh, i64 s, int i) {
+    int h = (int)(splitmix64((u64)s) & (u64)(STEP_TABLE - 1));
+    for (;;) {
+        const u64 prev = atomicCAS(&sh.keys[h], STEP_EMPTY, (u64)s);
+        if (prev == STEP_EMPTY || prev == (u64)s) {
+            atomicMax(&sh.last[h], i);
+            return h;
+        }
+        h = (h + 1) & (STEP_TABLE - 1);
+    }
+}
+
+template <bool kScan>
+struct StepWrite {
+    StepWriteArgs w;
+
+    __device__ void last_block(const PlanArgs& p, const CheckArgs* c) const {
+        __shared__ StepShared sh;
+        const int i = (int)threadIdx.x;
+        const i64 N = c->num_slots;
+        i64* records = (i64*)c->records;  // the verify's, read-only until now
+        // The host passes at most STEP_TOKENS; a larger count leaves the tokens past the block
+        // unread, and the rows that reach them out of range (reported, never read).
+        const i64 avail = w.avail < (i64)blockDim.x ? w.avail : (i64)blockDim.x;
+        const bool in = i < avail;
+        // 1. The tokens, and the last-write table emptied.
+        const i64 s = in ? load_index(w.out_cache_loc, width_bit(w.widths, W_LOC), i) : -1;
+        const i64 t = in ? load_index(w.input_ids, width_bit(w.widths, W_IDS), i) : 0;
+        const i64 ps = in ? load_index(w.positions, width_bit(w.widths, W_POS), i) : 0;
+        const bool has_etok = width_bit(w.widths, HAS_ETOK), has_epos = width_bit(w.widths, HAS_EPOS);
+        const i64 etok_in = in && has_etok ? load_index(w.exp_tokens, width_bit(w.widths, W_ETOK), i) : -1;
+        const i64 epos_in = in && has_epos ? load_index(w.exp_positions, width_bit(w.widths, W_EPOS), i) : -1;
+        const bool check_pos = *w.position_check != 0;
+        // Acquire the seeds the rows' first blocks published (after the token loads went out:
+        // those are the step's inputs, which no block writes).
+        __threadfence();
+        if (in) {
+            sh.slot[i] = s;
+            sh.token[i] = t;
+            sh.position[i] = ps;
+            sh.row[i] = -1;
+        }
+        for (int k = i; k < STEP_TABLE; k += blockDim.x) {
+            sh.keys[k] = STEP_EMPTY;
+            sh.last[k] = -1;
+        }
+        __syncthreads();
+        // 2. A thread per row (rounds uniform over the block: the row violations are per warp).
+        const i64 nrows = p.bs;
+        for (i64 base = 0; base < nrows; base += blockDim.x) {
+            const i64 r = base + i;
+            i64 o0 = 0, o1 = 0, seed = -1;
+            if (r < nrows) {
+                o0 = __ldcg(p.wp_offsets + r);
+                o1 = __ldcg(p.wp_offsets + r + 1);
+                seed = __ldcg(p.wp_seeds + r);
+            }
+            const bool span_bad = r < nrows && (o0 < 0 || o1 > avail || o1 < o0);
+            const bool seed_bad = r < nrows && !span_bad && (seed < -1 || seed >= N);
+            append_violation(c->ring, c->head, c->ring_capacity, span_bad || seed_bad, w.tag, span_bad ? -1 : seed,
+                             -1, -1, -1, 0, 0, span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1);
+            if (r < nrows && !span_bad && !seed_bad && o1 > o0) {
+                u64 x = first_link<kScan>();
+                int has = 0;
+                i64 pos = 0;
+                if (seed >= 0) {
+                    const Record sr = load_record(records, seed);
+                    x = next_link<kScan>(sr);
+                    has = 1;
+                    pos = sr.position;
+                }
+                for (i64 j = o0; j < o1; ++j) {
+                    sh.row[j] = (int)r;
+                    sh.link[j] = x;
+                    sh.prev[j] = pos;
+                    sh.has_prev[j] = has;
+                    if (sh.slot[j] >= 0) {  // a negative slot is skipped: the chain does not advance
+                        x = advance<kScan>(x, sh.token[j], sh.position[j]);
+                        has = 1;
+                        pos = sh.position[j];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        // 3. Each token: checks, then the store of its slot's last write.
+        const int r = in ? sh.row[i] : -1;
+        const bool stored = r >= 0 && s >= 0;
+        const u64 link = stored ? sh.link[i] : 0;
+        i64 bits = 0, etok = -1, epos = -1;
+        if (stored) {
+            if (check_pos && sh.has_prev[i]) {
+                epos = (i64)((u64)sh.prev[i] + 1ULL);
+                if (ps != epos) bits |= FAIL_WRITE_POSITION;
+            }
+            if (has_etok) {
+                etok = etok_in;
+                if (etok != -1 && etok != t) bits |= FAIL_WRITE_TOKEN;
+            }
+            if (has_epos && epos_in != -1) {
+                epos = epos_in;
+                if (epos_in != ps) bits |= FAIL_WRITE_POSITION;
+            }
+            if (s >= N) bits |= FAIL_SLOT_OUT_OF_RANGE;
+        }
+        const bool store = stored && s < N;
+        const int entry = store ? step_enter(sh, s, i) : 0;
+        const int written = __syncthreads_count(store);  // also orders the table's entries before the reads
+        const int skipped = __syncthreads_count(r >= 0 && s < 0);
+        if (store && sh.last[entry] == i) {
+            longlong2* rec = (longlong2*)(records + s * RECORD_WORDS);
+            rec[0] = make_longlong2(t, ps);
+            rec[1] = make_longlong2((i64)link, 0);  // no folds: the fingerprint is 0
+        }
+        append_violation(c->ring, c->head, c->ring_capacity, bits != 0, w.tag, s, ps, t, etok, link, link, bits, r,
+                         epos);
+        if (i == 0) {
+            atomicAdd((u64*)(c->counters + CTR_KERNEL_RUNS), 1ULL);  // the write's run
+            if (written != 0) atomicAdd((u64*)(c->counters + CTR_SLOTS_WRITTEN), (u64)written);
+            if (skipped != 0) atomicAdd((u64*)(c->counters + CTR_TOKENS_SKIPPED), (u64)skipped);
+        }
+    }
+};
+
+// kScan for a scan-chain canary.
+template <bool kScan>
+__global__ void __launch_bounds__(256, 3) plan_verify_write_step(PlanVerifyWriteArgs a) {
+    plan_body<true, false, kScan>(a.p, &a.c, StepWrite<kScan>{a.w});
+}
+
+}  // namespace kvc
