@@ -99,6 +99,15 @@ class KvCanary:
             (v1, byte for byte SGLang's records): the kind of every canary buffer the
             monitor allocates (the full pool's and the SWA pool's); sweeps and record
             transfers follow it. See :class:`~kvcanary_cupy.CanaryBuffer`.
+        stamp_before_forward: stamp a step's records in :meth:`before_forward`, beside
+            its check, instead of in :meth:`after_forward`: for engines that set the
+            step's token ids, positions and slots before the forward (pass them to
+            ``before_forward`` or bind them) and keep no real-KV fingerprints (a record
+            then holds nothing the forward writes). A step of at most
+            ``ops.STEP_WRITE_TOKENS`` tokens is then one launch per group
+            (:func:`~kvcanary_cupy.plan_verify_write`), and ``after_forward()`` only
+            closes the step. Not with real-KV sources, ``verify_after`` or a
+            ``process_group``.
 
     A step's pre-forward check is one :func:`~kvcanary_cupy.plan_and_verify` per group,
     which on CUDA does not write the verify plan's per-entry arrays
@@ -143,7 +152,8 @@ class KvCanary:
                  grow_on_overflow: bool = True, verify_after: bool = False,
                  fingerprint_sample_period: int | None = None, ring_capacity: int = 4096,
                  policy: str | Callable = "log", max_tokens: int | None = None, sweep_budget: int = 1024,
-                 sweep_max_chains: int = 64, history: int = 256, process_group=None, chain: str = DEFAULT_CHAIN):
+                 sweep_max_chains: int = 64, history: int = 256, process_group=None, chain: str = DEFAULT_CHAIN,
+                 stamp_before_forward: bool = False):
         self.chain = check_chain(chain, "chain")
         self.policy = check_policy(policy)
         kind, _ = runtime.parse_device(device)
@@ -184,6 +194,15 @@ class KvCanary:
             RealKvMode.PARTIAL if srcs else RealKvMode.NONE)
         self.grow_on_overflow = scalars.check_flag(grow_on_overflow, "grow_on_overflow")
         self.verify_after = scalars.check_flag(verify_after, "verify_after")
+        self.stamp_before_forward = scalars.check_flag(stamp_before_forward, "stamp_before_forward")
+        if self.stamp_before_forward:
+            why = ("real-KV fingerprints (a record stamped before the forward cannot hold K/V the forward has not "
+                   "written yet; use real_kv_mode NONE)" if srcs and mode != RealKvMode.NONE else
+                   "verify_after (it checks what the forward left, after the stamp)" if self.verify_after else
+                   "a process_group (the ranks agree on what after_forward stamps)" if process_group is not None
+                   else None)
+            if why is not None:
+                raise ValueError(f"kvcanary: stamp_before_forward: not with {why}")
         # What every poll reads lives in one block, so one copy moves it: each group's plan
         # scalars, the log head snapshots, the log's counters and (without an agreement, which
         # sends it) the log's head.
@@ -418,8 +437,10 @@ class KvCanary:
     # ------------------------------------------------------------------ per step
     def before_forward(self, req_pool_indices=None, prefix_lens=None, extend_lens=None, *, batch_size=None,
                        expected_valid_lens=None, expected: ExpectedTokens | None = None, request_ids=None,
-                       stream=None) -> None:
-        """Plan the step and verify every record it will read.
+                       input_ids=None, positions=None, out_cache_loc=None, num_tokens=None, swa_out_cache_loc=None,
+                       expected_input_ids=None, expected_positions=None, stream=None) -> None:
+        """Plan the step and verify every record it will read (with ``stamp_before_forward``,
+        also stamp the records of the tokens it writes).
 
         Args:
             req_pool_indices: int32 / int64 ``[bs]``, each batch row's slot-table
@@ -435,6 +456,10 @@ class KvCanary:
                 bound table).
             request_ids: a sequence of ``bs`` ids (any objects): violations of
                 row ``r`` report ``request_ids[r]``, even when found steps later.
+            input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
+                expected_input_ids, expected_positions: only with
+                ``stamp_before_forward``: the step's write inputs, as
+                :meth:`after_forward` takes them (``None``: the bound buffers).
             stream: CUDA stream (default: PyTorch's current stream for PyTorch
                 inputs, else CuPy's). Inside a CUDA graph capture pass the
                 capturing stream (e.g. ``torch.cuda.current_stream()``).
@@ -473,17 +498,35 @@ class KvCanary:
         if request_ids is not None and len(request_ids) != step.bs:
             raise ValueError(f"kvcanary: request_ids: expected one id per batch row ({step.bs}), "
                              f"got {len(request_ids)}")
+        writes = (input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc, expected_input_ids,
+                  expected_positions)
+        stamp = None
+        if self.stamp_before_forward:
+            stamp = self._prepared_after(*writes)
+        elif any(x is not None for x in writes):
+            raise ValueError("kvcanary: input_ids: a step's write inputs go to after_forward (or construct the "
+                             "monitor with stamp_before_forward=True to stamp before the forward)")
         if self._cpu:
             ptr, capturing = None, False
         else:
-            ptr = self._inputs.stream(stream, step.objs)
+            ptr = self._inputs.stream(stream, step.objs if stamp is None else step.objs + stamp.objs)
             capturing = self._inputs.capturing(ptr)
         self._requests.step(ptr, capturing=capturing, request_ids=request_ids)
         if step.valid_lens is not None:
             self._fill_valid_lens(step, ptr)
         repair = self._cpu and self.grow_on_overflow  # on a GPU: at the next poll
-        for g, args, verify_args, (rpi, pre, ext, r2t, bt, ps, swa, exp, log, tag, srcs, mode, check,
-                                   sample) in step.groups:
+        stamped = set()  # groups whose write ran in their check's launch
+        for i, (g, args, verify_args, (rpi, pre, ext, r2t, bt, ps, swa, exp, log, tag, srcs, mode, check,
+                                       sample)) in enumerate(step.groups):
+            loc = stamp.groups[i][1] if stamp is not None else None
+            if loc is not None and stamp.tokens <= ops.STEP_WRITE_TOKENS and not (repair and g.may_overflow):
+                ops.plan_verify_write(g.vp, g.wp, g.canary, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext,
+                                      req_to_token=r2t, block_table=bt, page_size=ps, swa=swa, expected=exp,
+                                      input_ids=stamp.ids, positions=stamp.pos, out_cache_loc=loc,
+                                      expected_inputs=stamp.groups[i][2][4], log=log, tag=tag,
+                                      write_tag=stamp.groups[i][2][1], check_tokens=check, stream=ptr)
+                stamped.add(i)
+                continue
             if self.verify_after or (repair and g.may_overflow):
                 # The verify after the write reads the entries again, and on the CPU a plan that
                 # overflows is grown and planned again before its verify: plan and verify apart.
@@ -499,6 +542,8 @@ class KvCanary:
                                 req_to_token=r2t, block_table=bt, page_size=ps, swa=swa, expected=exp, log=log,
                                 tag=tag, real_kv=srcs, real_kv_mode=mode, check_tokens=check, sample=sample,
                                 digest=g.entry_digest, stream=ptr)
+        if stamp is not None and len(stamped) < len(step.groups):
+            self._write_step(stamp, ptr, skip=stamped)
         if not capturing:
             self._steps += 1
         self._step_open = (ptr, step.check_tokens)
@@ -617,7 +662,30 @@ class KvCanary:
         if self._step_open is None:
             raise ValueError("kvcanary: after_forward: expected a preceding before_forward() for this step")
         ptr0, checked_tokens = self._step_open
-        step = None
+        if self.stamp_before_forward:
+            if any(x is not None for x in (input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
+                                           expected_input_ids, expected_positions)):
+                raise ValueError("kvcanary: after_forward: this monitor stamps in before_forward "
+                                 "(stamp_before_forward=True); pass the step's write inputs there")
+            self._step_open = None
+            return
+        # Every argument of every group is imported and checked before the first launch, so a
+        # misuse raises with no record changed (the step stays open: fix the call and repeat it).
+        step = self._prepared_after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
+                                    expected_input_ids, expected_positions)
+        ptr = self._inputs.stream(stream, step.objs) if stream is not None or step.given else ptr0
+        self._step_open = None
+        self._write_step(step, ptr)
+        if self.verify_after:
+            for g in self.groups:
+                ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_after, real_kv=g.sources,
+                           real_kv_mode=g.mode, check_tokens=checked_tokens, sample=g.sampler, stream=ptr)
+        if self._agreement is not None:
+            self._agreement.exchange(ptr)
+
+    def _prepared_after(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
+                        expected_input_ids, expected_positions) -> AfterStep:
+        """The step's write arguments: prepared once per ``num_tokens`` for bound buffers."""
         if (input_ids is None and positions is None and out_cache_loc is None and swa_out_cache_loc is None
                 and expected_input_ids is None and expected_positions is None
                 and (num_tokens is None or type(num_tokens) is int)):
@@ -625,14 +693,13 @@ class KvCanary:
             if step is None:
                 step = self._after_step(None, None, None, num_tokens, None, None, None)
                 self._after_steps.put(num_tokens, step)
-        if step is None:
-            # Every argument of every group is imported and checked before the first launch, so a
-            # misuse raises with no record changed (the step stays open: fix the call and repeat it).
-            step = self._after_step(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                                    expected_input_ids, expected_positions)
-        ptr = self._inputs.stream(stream, step.objs) if stream is not None or step.given else ptr0
+            return step
+        return self._after_step(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
+                                expected_input_ids, expected_positions)
+
+    def _write_step(self, step: AfterStep, ptr, skip=()) -> None:
+        """Each group's write (but the groups in ``skip``), the agreement's digest in the last."""
         swa_loc = self._swa_map.translate(step.loc, self.swa.swa.lut, ptr) if step.translate else None
-        self._step_open = None
         ids, pos = step.ids, step.pos
         digest = None  # the ranks' agreement: its digest runs in the last write's launch
         if self._agreement is not None:
@@ -640,15 +707,11 @@ class KvCanary:
             digest = self._agreement.step_digest(self.groups, input_ids=ids, positions=pos, locs=locs)
         last = len(step.groups) - 1
         for i, (g, loc, (log, tag, srcs, mode, exp_in)) in enumerate(step.groups):
+            if i in skip:
+                continue
             ops.write(g.canary, g.wp, input_ids=ids, positions=pos, out_cache_loc=swa_loc if loc is None else loc,
                       log=log, tag=tag, real_kv=srcs, real_kv_mode=mode, expected_inputs=exp_in,
                       digest=digest if i == last else None, stream=ptr)
-        if self.verify_after:
-            for g in self.groups:
-                ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_after, real_kv=g.sources,
-                           real_kv_mode=g.mode, check_tokens=checked_tokens, sample=g.sampler, stream=ptr)
-        if self._agreement is not None:
-            self._agreement.exchange(ptr)
 
     def _after_step(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc, expected_input_ids,
                     expected_positions) -> AfterStep:
@@ -672,8 +735,9 @@ class KvCanary:
                 else:
                     gloc, translate = None, True
             groups.append((g, gloc, (self.log, g.tag_write, g.sources, g.mode, exp_in)))
+        given = [ids, pos, loc, *(gl for _, gl, _ in groups if gl is not None), *(exp_in or ())]
         return AfterStep(objs=(input_ids, positions, out_cache_loc), ids=ids, pos=pos, loc=loc, translate=translate,
-                         groups=tuple(groups))
+                         groups=tuple(groups), tokens=min(int(a.shape[0]) for a in given if a is not None))
 
     # ------------------------------------------------------------------ graphs
     def note_step(self, request_ids=None) -> None:

@@ -47,13 +47,15 @@ class AfterStep:
         groups: per group ``(group, out_cache_loc or None (translate), (log, tag, real_kv,
             real_kv_mode, expected_inputs))``: the rest of :func:`~kvcanary_cupy.write`'s
             keyword arguments.
+        tokens: the shortest of the token inputs (what a write may read).
     """
 
-    __slots__ = ("objs", "given", "ids", "pos", "loc", "translate", "groups")
+    __slots__ = ("objs", "given", "ids", "pos", "loc", "translate", "groups", "tokens")
 
-    def __init__(self, *, objs: tuple, ids, pos, loc, translate: bool, groups: tuple):
+    def __init__(self, *, objs: tuple, ids, pos, loc, translate: bool, groups: tuple, tokens: int):
         self.objs, self.given = objs, any(o is not None for o in objs)
         self.ids, self.pos, self.loc, self.translate, self.groups = ids, pos, loc, translate, groups
+        self.tokens = tokens
 
 
 class StepCache(dict):
