@@ -56,7 +56,9 @@ class Case:
         window: SWA window length (None: no window).
         pool: the :class:`Pool` name the case runs on.
         mode: real-KV mode name, ``NONE`` / ``PARTIAL`` / ``ALL``.
-        ops: which ops are timed (``step`` for a monitor case).
+        ops: which ops are timed (for a monitor case ``step``, and ``stamped``: the same step
+            of a monitor that stamps before the forward, where the case keeps no real-KV
+            fingerprints).
         baseline: whether the PyTorch baseline is timed beside it.
         chain: the canary's chain kind, ``scan`` (the default) or ``sglang``.
         check_tokens: a monitor case checks every verified record's token against a
@@ -166,8 +168,9 @@ def _write_rows(pool, label, extend):
 def _monitor(batch, prefix, mode="NONE", check_tokens=False):
     """A decode step of the monitor (one new token per row)."""
     label = mode + ("+tokens" if check_tokens else "")
+    ops = ("step", "stamped") if mode == "NONE" else ("step",)
     return Case(f"monitor b{batch} p{prefix} {label}", "monitor", batch, prefix, 1, pool="monitor", mode=mode,
-                ops=("step",), baseline=False, check_tokens=check_tokens)
+                ops=ops, baseline=False, check_tokens=check_tokens)
 
 
 def _monitors(batches, prefix):

@@ -48,10 +48,14 @@ class MonitorSetup:
     def step(self, bs: int):
         """A zero-argument decode step of ``bs`` rows."""
         mon, stream = self.monitor, self.stream
-
-        def step():
-            mon.before_forward(batch_size=bs, stream=stream)
-            mon.after_forward(num_tokens=bs, stream=stream)
+        if mon.stamp_before_forward:
+            def step():
+                mon.before_forward(batch_size=bs, num_tokens=bs, stream=stream)
+                mon.after_forward()
+        else:
+            def step():
+                mon.before_forward(batch_size=bs, stream=stream)
+                mon.after_forward(num_tokens=bs, stream=stream)
 
         return step
 
@@ -66,11 +70,12 @@ class MonitorSetup:
 
 
 def build(xp, device: str, *, batch: int, prefix: int, num_slots: int, rs, sources=(), mode: str = "NONE",
-          check_tokens: bool = False, stream=None) -> MonitorSetup:
+          check_tokens: bool = False, stamp: bool = False, stream=None) -> MonitorSetup:
     """A monitor over ``num_slots`` slots, ``batch`` rows of ``prefix`` stamped tokens each.
 
     ``sources`` feed the fingerprints when ``mode`` is not NONE; ``check_tokens`` binds an
-    expected-token table that holds every row's tokens, so the token check passes.
+    expected-token table that holds every row's tokens, so the token check passes;
+    ``stamp``: the monitor stamps before the forward (``stamp_before_forward``).
     """
     width = prefix + 1
     table = xp.zeros((batch + 1, width), dtype=TABLE_DTYPE)
@@ -80,7 +85,8 @@ def build(xp, device: str, *, batch: int, prefix: int, num_slots: int, rs, sourc
     expected = _expected_table(xp, batch, prefix, prefix_ids, step_ids) if check_tokens else None
     real_kv = tuple(sources) if mode != "NONE" else ()
     mon = kc.KvCanary(num_slots=num_slots, req_to_token=table, max_batch=batch, device=device, real_kv=real_kv,
-                      real_kv_mode=RealKvMode[mode], expected_tokens=expected, policy=lambda found: None)
+                      real_kv_mode=RealKvMode[mode], expected_tokens=expected, policy=lambda found: None,
+                      stamp_before_forward=stamp)
     rows = xp.arange(1, batch + 1, dtype=INDEX_DTYPE)
     _stamp_prefixes(xp, mon, table, rows, prefix, prefix_ids, stream)
     step = dict(req_pool_indices=rows, prefix_lens=xp.full(batch, prefix, dtype=INDEX_DTYPE),
@@ -102,10 +108,16 @@ def _expected_table(xp, batch: int, prefix: int, prefix_ids, step_ids):
 def _stamp_prefixes(xp, mon, table, rows, prefix: int, prefix_ids, stream) -> None:
     """One prefill step of every row from an empty prefix, through the monitor itself."""
     batch = int(rows.shape[0])
-    mon.before_forward(rows, xp.zeros(batch, dtype=INDEX_DTYPE), xp.full(batch, prefix, dtype=INDEX_DTYPE),
-                       stream=stream)
+    plan = (rows, xp.zeros(batch, dtype=INDEX_DTYPE), xp.full(batch, prefix, dtype=INDEX_DTYPE))
     loc = xp.ascontiguousarray(table[1:, :prefix].reshape(-1).astype(INDEX_DTYPE))
-    mon.after_forward(prefix_ids, xp.tile(xp.arange(prefix, dtype=INDEX_DTYPE), batch), loc, stream=stream)
+    tokens = dict(input_ids=prefix_ids, positions=xp.tile(xp.arange(prefix, dtype=INDEX_DTYPE), batch),
+                  out_cache_loc=loc)
+    if mon.stamp_before_forward:
+        mon.before_forward(*plan, **tokens, stream=stream)
+        mon.after_forward()
+    else:
+        mon.before_forward(*plan, stream=stream)
+        mon.after_forward(**tokens, stream=stream)
     # Two polls release what the step imported per call (the monitor holds it until then).
     mon.poll(stream=stream)
     mon.poll(stream=stream)

@@ -271,21 +271,25 @@ def _monitor_lines(results) -> list[str]:
         if c.get("group") != "monitor":
             continue
         if c.get("error"):
-            rows.append([c["name"], _count(c.get("entries")), "error", "-", "-", "-", "-", "-"])
+            rows.append([c["name"], _count(c.get("entries")), "error", "-", "-", "-", "-", "-", "-", "-"])
             continue
-        k = _op(c, "step")
+        k, st = _op(c, "step"), _op(c, "stamped")
         g, x = _gather_x(c)
-        rows.append([c["name"], _count(c.get("entries")), _f(k.get("device_us")), _f(k.get("floor_us")),
-                     _f(k.get("x_floor"), 2), _f(g), _f(x, 2), _f(k.get("host_us"))])
+        sd = _num(st.get("device_us"))
+        rows.append([c["name"], _count(c.get("entries")), _f(k.get("device_us")), _f(sd), _f(k.get("floor_us")),
+                     _f(k.get("x_floor"), 2), _f(g), _f(x, 2), _f(sd / g if sd is not None and g else None, 2),
+                     _f(k.get("host_us"))])
     if not rows:
         return []
     return _section("**Monitor steps** (`KvCanary.before_forward` + `after_forward`, one new token per row, bound "
                     "buffers; device time = CUDA events around both calls on the monitor's stream, L2 flushed before "
                     "each run; gather = `bench_gather` of as many random 32 B records from the same pool; host = CPU "
                     "time of both calls in the timed runs; NONE = real-KV NONE, no token check; PARTIAL+tokens = "
-                    "real-KV PARTIAL over one 256 B/token source and the token check on)",
-                    ["case", "entries", "step us", "floor us", "x floor", "gather us", "step / gather", "host us"],
-                    rows)
+                    "real-KV PARTIAL over one 256 B/token source and the token check on; stamped = the same step "
+                    "of a monitor made with `stamp_before_forward=True`, which stamps in `before_forward`: one "
+                    "launch for a step of at most 256 tokens)",
+                    ["case", "entries", "step us", "stamped us", "floor us", "x floor", "gather us", "step / gather",
+                     "stamped / gather", "host us"], rows)
 
 
 def _sglang_lines(results) -> list[str]:
@@ -298,14 +302,17 @@ def _sglang_lines(results) -> list[str]:
         d = f"decode b{b} p{T.SGLANG_PREFIX}"
         ops = [_f(T.scan_op_us(cases, d, op)) for op in ("plan", "verify", "plan_and_verify", "write")]
         step = T.scan_op_us(cases, T.monitor_name(b), "step")
+        stamped = T.scan_op_us(cases, T.monitor_name(b), "stamped")
         full = T.scan_op_us(cases, T.monitor_name(b, label="PARTIAL+tokens"), "step")
         sg = T.sglang_step_us(b)
         rows.append([b, _f(plan), _f(verify), _f(write), _f(sg), *ops, _f(step),
-                     _x(step / sg if step is not None else None), _f(full)])
+                     _x(step / sg if step is not None else None), _f(stamped),
+                     _x(stamped / sg if stamped is not None else None), _f(full)])
     lines = _section(f"**Beside SGLang** (decode, prefix {T.SGLANG_PREFIX}, device us. SGLang's figures are fixed: "
                      f"{T.SGLANG_METHOD}. kvcanary's: the ops cases `decode bN p4096` and the monitor steps above)",
                      ["batch", "SGLang plan", "SGLang verify", "SGLang write", "SGLang step", "plan", "verify",
-                      "plan_and_verify", "write", "monitor step", "step / SGLang step", "step, PARTIAL+tokens"], rows)
+                      "plan_and_verify", "write", "monitor step", "step / SGLang step", "stamped step",
+                      "stamped / SGLang step", "step, PARTIAL+tokens"], rows)
     prow = []
     for (b, e), sg in T.SGLANG_PREFILL_WRITE_US.items():
         scan = T.scan_op_us(cases, f"prefill b{b} e{e}", "write")

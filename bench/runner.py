@@ -324,13 +324,19 @@ class Runner:
         setup = monitor_steps.build(xp, p.device, batch=max(c.batch for c in cases), prefix=first.prefix,
                                     num_slots=N, rs=rs, sources=sources, mode=first.mode,
                                     check_tokens=first.check_tokens, stream=self._stream())
+        stamped = None  # the same steps of a monitor that stamps before the forward
+        if any("stamped" in c.ops for c in cases):
+            stamped = monitor_steps.build(xp, p.device, batch=max(c.batch for c in cases), prefix=first.prefix,
+                                          num_slots=N, rs=workloads.random_state(xp, 31337 + first.prefix),
+                                          sources=sources, mode=first.mode, check_tokens=first.check_tokens,
+                                          stamp=True, stream=self._stream())
         p.sync()
         for c, entry in zip(cases, entries):
             if self.elapsed() > s.hard_deadline_s:
                 entry["error"] = f"skipped: past the {s.hard_deadline_s:.0f} s budget"
                 continue
             try:
-                self._monitor_case(c, pool, setup, entry, gathers, N)
+                self._monitor_case(c, pool, {"step": setup, "stamped": stamped}, entry, gathers, N)
             except Exception as e:  # noqa: BLE001
                 entry["error"] = _short(e)
                 entry["traceback"] = _err(e)
@@ -344,21 +350,25 @@ class Runner:
                 self.say(f"[bench] monitor host: eager step {self.monitor_host['eager_step_us']:.1f} us")
             except Exception as e:  # noqa: BLE001
                 self.monitor_host = {"error": _short(e), "traceback": _err(e), "case": hosts[0].name}
-        del setup, kv
+        del setup, stamped, kv
 
-    def _monitor_case(self, c: C.Case, pool: C.Pool, setup, entry: dict, gathers: dict, N: int) -> None:
+    def _monitor_case(self, c: C.Case, pool: C.Pool, setups: dict, entry: dict, gathers: dict, N: int) -> None:
+        """Times each of the case's ops (``step``, ``stamped``) on the monitor set up for it."""
         s, p = self.suite, self.p
         t_case = time.monotonic()
-        before = setup.checks()["violations"]
-        step = setup.step(c.batch)
-        t = p.timer.device(lambda _i: step(), runs=s.runs, warmup=3, flush=True, budget_s=s.op_budget_s)
         nbytes = self.bytes_of(c, pool)["step"]
         fl = floors.floor_us(nbytes, self.bw)
-        entry["ops"]["step"] = t.as_dict() | {"bytes": nbytes, "floor_us": fl,
-                                              "x_floor": t.device_us / fl if fl and fl == fl else None}
         entry["set_bytes"] = nbytes
-        checks = setup.checks()
-        entry["checks"] = checks | {"violations": checks["violations"] - before, "expected_entries": c.entries}
+        for op in c.ops:
+            setup = setups[op]
+            before = setup.checks()["violations"]
+            step = setup.step(c.batch)
+            t = p.timer.device(lambda _i: step(), runs=s.runs, warmup=3, flush=True, budget_s=s.op_budget_s)
+            entry["ops"][op] = t.as_dict() | {"bytes": nbytes, "floor_us": fl,
+                                              "x_floor": t.device_us / fl if fl and fl == fl else None}
+            checks = setup.checks()
+            key = "checks" if op == "step" else f"checks_{op}"
+            entry[key] = checks | {"violations": checks["violations"] - before, "expected_entries": c.entries}
         if c.entries not in gathers:
             gathers[c.entries] = self.p.gather_probe(n=c.entries, pool_slots=N, slot_bytes=RECORD_BYTES, runs=s.runs,
                                                      orders=("random",))[0]
@@ -366,7 +376,8 @@ class Runner:
         entry["gather"] = {"entries": g["entries"], "pool_slots": g["pool_slots"], "time_us": g["time_us"],
                            "runs": g["runs"]}
         entry["wall_s"] = round(time.monotonic() - t_case, 2)
-        self.say(f"[bench] {c.name}: step {t.device_us:.1f} us (gather {g['time_us']:.1f} us); "
+        timed = ", ".join(f"{op} {entry['ops'][op]['device_us']:.1f} us" for op in c.ops)
+        self.say(f"[bench] {c.name}: {timed} (gather {g['time_us']:.1f} us); "
                  f"violations {entry['checks']['violations']}")
 
     def _entry(self, c: C.Case, pool: C.Pool, label: str, N: int) -> dict:

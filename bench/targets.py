@@ -123,10 +123,14 @@ def _missing(name, cases) -> str:
 
 
 def _monitor_steps(rows: _Rows, cases: dict) -> None:
+    """Each batch twice: the monitor that stamps before the forward (``stamped``: a step of at
+    most 256 tokens is one launch) and the one that stamps after it (``step``: two launches)."""
     for b, limit in MONITOR_STEP_LIMIT_US.items():
         name = monitor_name(b)
-        rows.add("1", f"monitor step bs {b} <= 0.5x SGLang's step", name, scan_op_us(cases, name, "step"), limit,
-                 sglang=sglang_step_us(b), detail=_missing(name, cases) or "before_forward + after_forward, device")
+        for op, how in (("stamped", "stamp_before_forward"), ("step", "stamped after the forward")):
+            rows.add("1", f"monitor step bs {b} <= 0.5x SGLang's step, {how}", name, scan_op_us(cases, name, op),
+                     limit, sglang=sglang_step_us(b),
+                     detail=_missing(name, cases) or "before_forward + after_forward, device")
 
 
 def _gather_bound(rows: _Rows, cases: dict) -> None:
@@ -137,12 +141,13 @@ def _gather_bound(rows: _Rows, cases: dict) -> None:
                  detail="no monitor step of >= 1M entries ran")
     for c in sorted(big, key=lambda c: c["entries"]):
         g = num((c.get("gather") or {}).get("time_us"))
-        step = op_us(c, "step")
-        x = f"; step = {step / g:.2f}x gather" if step is not None and g else ""
-        rows.add("2", f"step <= 1.25x gather, {c['entries'] >> 20}Mi records", c["name"], step,
-                 GATHER_LIMIT * g if g is not None else None,
-                 detail=(f"gather {g:.1f} us of {c['entries']:,} random 32 B records" if g is not None
-                         else "no gather figure") + x)
+        for op in c.get("timed_ops", ["step"]):
+            step = op_us(c, op)
+            x = f"; {op} = {step / g:.2f}x gather" if step is not None and g else ""
+            rows.add("2", f"{op} <= 1.25x gather, {c['entries'] >> 20}Mi records", c["name"], step,
+                     GATHER_LIMIT * g if g is not None else None,
+                     detail=(f"gather {g:.1f} us of {c['entries']:,} random 32 B records" if g is not None
+                             else "no gather figure") + x)
 
 
 def _row_writes(rows: _Rows, cases: dict) -> None:

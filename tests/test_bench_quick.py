@@ -40,7 +40,9 @@ def test_full_suite_covers_the_requested_grid():
     for mode, tokens in (("NONE", False), ("PARTIAL", True)):  # configured as SGLang's figures, then fully on
         steps = {(c.batch, c.prefix) for c in monitor if c.mode == mode and c.check_tokens == tokens}
         assert steps == {(b, 4096) for b in C.SGLANG_BATCHES}
-    assert all(c.ops == ("step",) and s.pool(c.pool).kv_layers == 1 for c in monitor)
+    # Both monitors where the records hold no fingerprints: stamping after the forward and before it.
+    assert all(c.ops == (("step", "stamped") if c.mode == "NONE" else ("step",)) and s.pool(c.pool).kv_layers == 1
+               for c in monitor)
     entries = {c.entries for c in s.cases}
     assert 1024 * 4096 in entries and 1024 * 16384 in entries
     swa = [c for c in s.cases if c.group == "swa"]
@@ -305,7 +307,7 @@ def _fake_target_results():
                 "chain": "scan", "check_tokens": False, "timed_ops": list(ops), "error": None,
                 "ops": {op: {"device_us": t} for op, t in ops.items()}, **kw}
 
-    cases = [case(f"monitor b{b} p4096 NONE", "monitor", b, {"step": t}, entries=b * 4096,
+    cases = [case(f"monitor b{b} p4096 NONE", "monitor", b, {"step": t, "stamped": t - 2.0}, entries=b * 4096,
                   gather={"time_us": g}) for b, t, g in ((1, 12.0, 2.0), (64, 30.0, 9.0), (256, 40.0, 33.0),
                                                          (1024, 150.0, 110.0), (4096, 600.0, 420.0))]
     cases += [case(f"decode b{b} p4096", "decode", b, {"plan": p, "write": w}) for b, p, w in
@@ -323,15 +325,20 @@ def _fake_target_results():
 def test_targets_from_a_made_up_result():
     rows = report.evaluate(_fake_target_results())
     by = {(r["id"], r["case"]): r for r in rows}
-    step1 = by["1", "monitor b1 p4096 NONE"]
+    # Each monitor step twice: stamped before the forward, then after it.
+    t1 = {(r["case"], r["target"].rsplit(", ", 1)[1]): r for r in rows if r["id"] == "1"}
+    step1 = t1["monitor b1 p4096 NONE", "stamped after the forward"]
     assert (step1["value"], step1["limit"], step1["sglang_us"], step1["result"]) == (12.0, 13.0, 26.7, "PASS")
     assert step1["ratio"] == pytest.approx(12 / 13)
-    assert by["1", "monitor b64 p4096 NONE"]["result"] == "MISS"  # 30 > 25
-    assert by["1", "monitor b4096 p4096 NONE"]["sglang_us"] == pytest.approx(1248.9)
+    assert t1["monitor b1 p4096 NONE", "stamp_before_forward"]["value"] == 10.0
+    assert t1["monitor b64 p4096 NONE", "stamped after the forward"]["result"] == "MISS"  # 30 > 25
+    assert t1["monitor b64 p4096 NONE", "stamp_before_forward"]["result"] == "MISS"  # 28 > 25
+    assert t1["monitor b4096 p4096 NONE", "stamp_before_forward"]["sglang_us"] == pytest.approx(1248.9)
     gather = [r for r in rows if r["id"] == "2"]
-    assert [r["case"] for r in gather] == [f"monitor b{b} p4096 NONE" for b in (256, 1024, 4096)]  # >= 1M entries
+    assert [r["case"] for r in gather] == [f"monitor b{b} p4096 NONE" for b in (256, 1024, 4096) for _ in "ab"]
     assert gather[0]["limit"] == pytest.approx(1.25 * 33.0) and gather[0]["result"] == "PASS"
-    assert gather[2]["result"] == "MISS" and "1.43x gather" in gather[2]["detail"]  # 600 / 420
+    assert gather[4]["result"] == "MISS" and "1.43x gather" in gather[4]["detail"]  # 600 / 420
+    assert "stamped = 1.42x gather" in gather[5]["detail"]  # 598 / 420
     assert by["3", "prefill b1 e16384"]["result"] == "PASS"
     row32 = by["3", "prefill b32 e16384"]
     assert row32["result"] == "MISS" and row32["sglang_us"] == 5282.0 and "3,000" in row32["detail"]
@@ -345,7 +352,7 @@ def test_targets_from_a_made_up_result():
     assert "decode b64 p512" not in write and write["decode b64 p4096"]["value"] == 8.0  # the worst of bs 64
     assert write["decode b64 p4096"]["result"] == "MISS" and write["decode b1 p4096"]["result"] == "PASS"
     assert write["decode b1024 p4096"]["sglang_us"] == 7.7
-    assert len(rows) == 5 + 3 + 2 + 5 + 3 + 4
+    assert len(rows) == 10 + 6 + 2 + 5 + 3 + 4
     out = report.summary(_fake_target_results())
     assert out.splitlines()[-1].split()[-1] == "PASS" and "MISS" in out  # the result ends each line
     md = report.markdown(_fake_target_results())
@@ -519,8 +526,12 @@ def _check_run(res, md_text, *, expect_baseline: bool, expect_graph: bool):
             assert c["checks"]["requested"] == c["checks"]["expected_entries"] == c["entries"]
             assert c["checks"]["enable"] == 1 and c["checks"]["input_errors"] == 0
         if c["group"] == "monitor":  # the latest step planned every entry, no overflow, no bad row
-            assert c["checks"]["requested"] == c["checks"]["expected_entries"] == c["entries"] > 0
-            assert c["checks"]["overflows"] == 0 and c["checks"]["input_errors"] == 0
+            for op in c["timed_ops"]:  # the monitor that stamps after the forward, and the one before
+                ck = c["checks" if op == "step" else f"checks_{op}"]
+                assert ck["violations"] == 0, (c["name"], op)
+                assert ck["requested"] == ck["expected_entries"] == c["entries"] > 0
+                assert ck["overflows"] == 0 and ck["input_errors"] == 0
+            assert ("stamped" in c["timed_ops"]) == (c["mode"] == "NONE")
             assert c["gather"]["time_us"] > 0 and c["gather"]["entries"] == c["entries"]
         for op in c["timed_ops"]:
             o = c["ops"][op]
