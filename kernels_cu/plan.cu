@@ -30,9 +30,6 @@ namespace kvc {
 // Rows phase: 32-bit table lookups per thread in flight (a block per row leaves few
 // warps per SM, so latency, not bandwidth, bounds it); half as many 64-bit ones.
 inline constexpr int ROW_UNROLL = 8;
-#ifndef KVC_VERIFY_ROW_UNROLL
-#define KVC_VERIFY_ROW_UNROLL 16
-#endif
 
 // Bits of `widths`: which index inputs are int64 (else int32).
 inline constexpr int W_RPI = 0, W_PRE = 1, W_EXT = 2, W_TABLE = 3, W_LUT = 4, W_ETAB = 5, W_EVL = 6;
@@ -76,14 +73,17 @@ struct PlanArgs {
 // in the high word, the small route's invalid rows), the entry digest's partial sum
 // (plan_and_verify), the small route's tiles handed out (plan), (a
 // 128-byte line of its own, so that blocks polling it do not slow the counters'
-// atomics) the scan published (0 / 1), and the small route's row verdicts (0: not
-// yet, 1: valid, 2: invalid). The last block out zeroes it.
+// atomics) the scan published (0 / 1), the small route's row verdicts (0: not
+// yet, 1: valid, 2: invalid), and, for a tail that writes (step.cu), the small route's
+// seed states: per row the link after its seed record, that record's position and 1 once
+// published. The last block out zeroes it (the seed states: the tail that reads them).
 inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_TILES_CLAIMED = 4,
                      SYNC_SCANNED = 16;
 inline constexpr int SYNC_VERDICTS = 32;
 inline constexpr int SMALL_ROWS = 256;  // rows the small route takes at most
-inline constexpr int SYNC_WORDS = 288;
-static_assert(SYNC_WORDS == SYNC_VERDICTS + SMALL_ROWS, "a verdict word per row of the small route");
+inline constexpr int SYNC_SEEDS = SYNC_VERDICTS + SMALL_ROWS, SEED_WORDS = 3;
+inline constexpr int SYNC_WORDS = 1056;
+static_assert(SYNC_WORDS == SYNC_SEEDS + SEED_WORDS * SMALL_ROWS, "a verdict and a seed state per row of the small route");
 
 inline constexpr i64 I64_MAX = 0x7FFFFFFFFFFFFFFFLL;
 
@@ -212,10 +212,10 @@ struct KeptSlots {
 // is used, and nothing between them branches (NVCC would otherwise convert each int32
 // value, or divide by the page, right after its load and wait for it there: a round
 // trip per load instead of per round).
-template <typename T, bool kToken, int kUnroll>
+template <typename T, bool kToken>
 __device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row, i64 lo, i64 P, i64* last,
                                                 KeptSlots kept) {
-    constexpr int U = kUnroll * 4 / (int)sizeof(T);
+    constexpr int U = ROW_UNROLL * 4 / (int)sizeof(T);
     bool bad = false, has_last = false;
     i64 last_slot = -1;
     const i64 step = (i64)blockDim.x * U;
@@ -248,19 +248,17 @@ __device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row,
 // Whether every position in [lo, P) of request-table row rp has a readable slot, in
 // every thread; the thread that checks position P - 1 stores its slot (or -1) in *last,
 // and `kept` receives the slots of its positions. Every thread of the block must call it.
-// kUnroll: 32-bit loads per thread in flight (a kernel with registers to spare takes more).
-template <int kUnroll = ROW_UNROLL>
 __device__ __forceinline__ bool row_readable(const PlanArgs& a, i64 rp, i64 lo, i64 P, i64* last,
                                              KeptSlots kept = KeptSlots{nullptr, 0, 0}) {
     const i64 base = rp * a.twidth;
     if (width_bit(a.widths, W_TABLE)) {
         const i64* row = (const i64*)a.table + base;
-        return a.page == 1 ? row_readable_in<i64, true, kUnroll>(a, row, lo, P, last, kept)
-                           : row_readable_in<i64, false, kUnroll>(a, row, lo, P, last, kept);
+        return a.page == 1 ? row_readable_in<i64, true>(a, row, lo, P, last, kept)
+                           : row_readable_in<i64, false>(a, row, lo, P, last, kept);
     }
     const int* row = (const int*)a.table + base;
-    return a.page == 1 ? row_readable_in<int, true, kUnroll>(a, row, lo, P, last, kept)
-                       : row_readable_in<int, false, kUnroll>(a, row, lo, P, last, kept);
+    return a.page == 1 ? row_readable_in<int, true>(a, row, lo, P, last, kept)
+                       : row_readable_in<int, false>(a, row, lo, P, last, kept);
 }
 
 // Row r (thread 0 gets the results): validity, and the counts and seed it stores.
@@ -365,10 +363,11 @@ __device__ __forceinline__ u64 lane_fingerprints(const CheckArgs& c, i64 slot, b
 
 // verify.cu's check of one entry, for the entry each lane of a warp derived: entries
 // of consecutive lanes are consecutive, so a predecessor that is the lane below's
-// slot takes its link over a shuffle. Every lane must call it.
+// slot takes its link over a shuffle. Every lane must call it. Returns whether it read
+// the entry's record, and that record in *loaded (if given).
 template <bool kFp, bool kScan>
-__device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 row, i64 slot, i64 prev, i64 epos,
-                                            i64 etok, int g, i64 phase, i64& checked) {
+__device__ __forceinline__ bool check_entry(const CheckArgs& c, bool act, i64 row, i64 slot, i64 prev, i64 epos,
+                                            i64 etok, int g, i64 phase, i64& checked, Record* loaded = nullptr) {
     const unsigned lane = lane_id();
     const i64 N = c.num_slots;
     const bool live = act && slot != RESERVED_SLOT;
@@ -402,6 +401,8 @@ __device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 ro
     }
     append_violation(c.ring, c.head, c.ring_capacity, bits != 0, c.tag, slot, pos, tok, etok, link, elink, bits, row,
                      epos);
+    if (loaded != nullptr) *loaded = r;
+    return chk;
 }
 
 // The verify entries, each warp a contiguous run of them, 32 at a time. Offsets
@@ -569,8 +570,9 @@ __device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, Small
 // The small route's tiles for this block (see above).
 // plan's tiles come in order from a counter (see above): `ticket` (thread 0) is the
 // block's first, claimed at the start of the launch so that its round trip overlaps the
-// rows' loads.
-template <bool kVerify, bool kFp, bool kScan>
+// rows' loads. kSeeds: publish each writing row's seed state (see SYNC_SEEDS), from the
+// check of its last position, whose record is the seed.
+template <bool kVerify, bool kFp, bool kScan, bool kSeeds>
 __device__ __forceinline__ void small_tiles(const PlanArgs& a, const CheckArgs* c, SmallRows& s, u64 ticket,
                                             i64 phase, i64& checked, i64* scratch) {
     i64* sync = a.sync;
@@ -601,8 +603,7 @@ __device__ __forceinline__ void small_tiles(const PlanArgs& a, const CheckArgs* 
         if (threadIdx.x == 0) s.seed = -1;
         __syncthreads();
         const i64 first = start + jt * blockDim.x;
-        const bool valid = row_readable<kVerify ? KVC_VERIFY_ROW_UNROLL : ROW_UNROLL>(
-            a, rp, start > 0 ? start - 1 : 0, P, &s.seed,
+        const bool valid = row_readable(a, rp, start > 0 ? start - 1 : 0, P, &s.seed,
                                         KeptSlots{s.slot, first - 1, (i64)blockDim.x + 1});
         if (jt == 0 && threadIdx.x == 0) {  // the row's first tile publishes its verdict
             if (a.wp_offsets != nullptr) a.wp_seeds[r] = valid && s.E[r] > 0 ? s.seed : -1;
@@ -626,7 +627,15 @@ __device__ __forceinline__ void small_tiles(const PlanArgs& a, const CheckArgs* 
             const i64 prev = act && pos > 0 ? s.slot[threadIdx.x] : -1;
             const i64 tok = want ? (w_etab ? tok64 : (i64)tok32) : -1;
             if constexpr (kVerify) {
-                check_entry<kFp, kScan>(*c, act, r, slot, prev, pos, tok, g, phase, checked);
+                Record rec;
+                const bool read = check_entry<kFp, kScan>(*c, act, r, slot, prev, pos, tok, g, phase, checked,
+                                                          kSeeds ? &rec : nullptr);
+                if (kSeeds && read && pos == P - 1 && s.E[r] > 0) {
+                    i64* st = sync + SYNC_SEEDS + r * SEED_WORDS;
+                    st[0] = (i64)next_link<kScan>(rec);
+                    st[1] = rec.position;
+                    st[2] = 1;
+                }
             } else if (act) {
                 const i64 e = s.offset + i;
                 a.vp_slot[e] = slot;
@@ -694,8 +703,14 @@ __device__ __forceinline__ void small_finish(const PlanArgs& a, const SmallRows&
     }
 }
 
-// What the last block out runs after the plan (step.cu's write); by default nothing.
+// What the last block out runs after the plan (step.cu's write); by default nothing. A tail
+// may load what it needs at the start of the launch (prefetch, every block) and keep it
+// (stash, after the rows' inputs are read), and may ask for the rows' seed states (kSeeds).
 struct NoTail {
+    static constexpr bool kSeeds = false;
+    struct Prefetched {};
+    __device__ __forceinline__ Prefetched prefetch() const { return {}; }
+    __device__ __forceinline__ void stash(const Prefetched&) const {}
     __device__ __forceinline__ void last_block(const PlanArgs&, const CheckArgs*) const {}
 };
 
@@ -718,12 +733,14 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
     }
     u64 ticket = 0;  // thread 0, plan: the small route's first tile (unused on the other route)
     if (!kVerify && threadIdx.x == 0) ticket = atomicAdd((u64*)(sync + SYNC_TILES_CLAIMED), 1ULL);
+    const auto fetched = tail.prefetch();  // in flight with the rows' inputs
     const bool small = small_rows(a, kVerify && c->digest != nullptr, s_small, sh);
+    tail.stash(fetched);
     i64 checked = 0;
     __shared__ u64 s_digest[32];  // kVerify with c->digest: per warp, its entries' terms
     s_digest[threadIdx.x >> 5] = 0;  // before the barriers below
     if (small) {
-        small_tiles<kVerify, kFp, kScan>(a, c, s_small, ticket, kVerify ? s_phase : -1, checked, sh);
+        small_tiles<kVerify, kFp, kScan, Tail::kSeeds>(a, c, s_small, ticket, kVerify ? s_phase : -1, checked, sh);
     } else {
         i64 errors = 0;       // thread 0
         bool scanner = false;  // thread 0

@@ -5,12 +5,15 @@
 // checks, stamps the step's tokens itself. The step's violations, counters, plans and
 // records are exactly those of plan_and_verify followed by write. A step has at most
 // STEP_TOKENS input tokens here (the host refuses more), a thread of the block each:
-//   1. every thread loads its token (slot, id, position and the expected ones) into
-//      shared memory;
-//   2. a thread per write row checks the row's span and seed (write.cu's row_ok), loads
-//      the seed record and walks the row's tokens in shared memory, leaving each token
-//      its link and the chain's previous stored position: a row is a handful of tokens
-//      (decode, speculative steps), so the walk is short and needs no scan;
+//   1. every block loads its thread's token (slot, id, position and the expected ones)
+//      at the start of the launch, beside the rows' inputs, and keeps it in shared memory:
+//      the last block finds the step's tokens there;
+//   2. a thread per write row checks the row's span and seed (write.cu's row_ok), takes
+//      the chain's state after the seed record (published by the block that checked that
+//      record, on plan.cu's small route; else it reads the record) and walks the row's
+//      tokens in shared memory, leaving each token its link and the chain's previous
+//      stored position: a row is a handful of tokens (decode, speculative steps), so the
+//      walk is short and needs no scan;
 //   3. every thread checks and stores its token; a slot written twice is stored by its
 //      last write only (a shared table of the highest token index per slot), as in the
 //      reference, where later rows and later tokens overwrite earlier ones.
@@ -51,6 +54,7 @@ inline constexpr u64 STEP_EMPTY = ~0ULL;
 
 struct StepShared {
     i64 slot[STEP_TOKENS], token[STEP_TOKENS], position[STEP_TOKENS];
+    i64 etok[STEP_TOKENS], epos[STEP_TOKENS];  // the expected inputs, or -1
     u64 link[STEP_TOKENS];      // the link token i stores
     i64 prev[STEP_TOKENS];      // the chain's previous stored position before token i
     int has_prev[STEP_TOKENS];  // whether there is one
@@ -72,36 +76,62 @@ __device__ __forceinline__ int step_enter(StepShared& sh, i64 s, int i) {
     }
 }
 
+__device__ __forceinline__ StepShared& step_shared() {
+    __shared__ StepShared sh;
+    return sh;
+}
+
 template <bool kScan>
 struct StepWrite {
     StepWriteArgs w;
 
+    static constexpr bool kSeeds = true;  // the rows' seed states, from plan.cu's small route
+
+    // The host passes at most STEP_TOKENS; a larger count leaves the tokens past the block
+    // unread, and the rows that reach them out of range (reported, never read).
+    __device__ __forceinline__ i64 avail() const { return w.avail < (i64)blockDim.x ? w.avail : (i64)blockDim.x; }
+
+    struct Prefetched {
+        i64 s, t, p, etok, epos;
+    };
+
+    // 1. This thread's token, loaded at the start of the launch (every block: which one
+    // leaves last is not known yet) and kept in shared memory once the rows' inputs are in.
+    __device__ __forceinline__ Prefetched prefetch() const {
+        const i64 i = threadIdx.x;
+        const bool in = i < avail();
+        Prefetched f;
+        f.s = in ? load_index(w.out_cache_loc, width_bit(w.widths, W_LOC), i) : -1;
+        f.t = in ? load_index(w.input_ids, width_bit(w.widths, W_IDS), i) : 0;
+        f.p = in ? load_index(w.positions, width_bit(w.widths, W_POS), i) : 0;
+        f.etok = in && width_bit(w.widths, HAS_ETOK) ? load_index(w.exp_tokens, width_bit(w.widths, W_ETOK), i) : -1;
+        f.epos = in && width_bit(w.widths, HAS_EPOS) ? load_index(w.exp_positions, width_bit(w.widths, W_EPOS), i)
+                                                     : -1;
+        return f;
+    }
+
+    __device__ __forceinline__ void stash(const Prefetched& f) const {
+        StepShared& sh = step_shared();
+        const int i = (int)threadIdx.x;
+        sh.slot[i] = f.s;
+        sh.token[i] = f.t;
+        sh.position[i] = f.p;
+        sh.etok[i] = f.etok;
+        sh.epos[i] = f.epos;
+    }
+
     __device__ void last_block(const PlanArgs& p, const CheckArgs* c) const {
-        __shared__ StepShared sh;
+        StepShared& sh = step_shared();
         const int i = (int)threadIdx.x;
         const i64 N = c->num_slots;
         i64* records = (i64*)c->records;  // the verify's, read-only until now
-        // The host passes at most STEP_TOKENS; a larger count leaves the tokens past the block
-        // unread, and the rows that reach them out of range (reported, never read).
-        const i64 avail = w.avail < (i64)blockDim.x ? w.avail : (i64)blockDim.x;
+        const i64 avail = this->avail();
         const bool in = i < avail;
-        // 1. The tokens, and the last-write table emptied.
-        const i64 s = in ? load_index(w.out_cache_loc, width_bit(w.widths, W_LOC), i) : -1;
-        const i64 t = in ? load_index(w.input_ids, width_bit(w.widths, W_IDS), i) : 0;
-        const i64 ps = in ? load_index(w.positions, width_bit(w.widths, W_POS), i) : 0;
+        const i64 s = sh.slot[i], t = sh.token[i], ps = sh.position[i];
         const bool has_etok = width_bit(w.widths, HAS_ETOK), has_epos = width_bit(w.widths, HAS_EPOS);
-        const i64 etok_in = in && has_etok ? load_index(w.exp_tokens, width_bit(w.widths, W_ETOK), i) : -1;
-        const i64 epos_in = in && has_epos ? load_index(w.exp_positions, width_bit(w.widths, W_EPOS), i) : -1;
         const bool check_pos = *w.position_check != 0;
-        // Acquire the seeds the rows' first blocks published (after the token loads went out:
-        // those are the step's inputs, which no block writes).
-        __threadfence();
-        if (in) {
-            sh.slot[i] = s;
-            sh.token[i] = t;
-            sh.position[i] = ps;
-            sh.row[i] = -1;
-        }
+        __threadfence();  // acquire the seeds and seed states other blocks published
+        sh.row[i] = -1;
         for (int k = i; k < STEP_TABLE; k += blockDim.x) {
             sh.keys[k] = STEP_EMPTY;
             sh.last[k] = -1;
@@ -111,11 +141,17 @@ struct StepWrite {
         const i64 nrows = p.bs;
         for (i64 base = 0; base < nrows; base += blockDim.x) {
             const i64 r = base + i;
-            i64 o0 = 0, o1 = 0, seed = -1;
+            i64 o0 = 0, o1 = 0, seed = -1, published = 0, x_pub = 0, pos_pub = 0;
+            i64* st = p.sync + SYNC_SEEDS + r * SEED_WORDS;
             if (r < nrows) {
                 o0 = __ldcg(p.wp_offsets + r);
                 o1 = __ldcg(p.wp_offsets + r + 1);
                 seed = __ldcg(p.wp_seeds + r);
+                if (r < SMALL_ROWS) {
+                    x_pub = __ldcg(st);
+                    pos_pub = __ldcg(st + 1);
+                    published = __ldcg(st + 2);
+                }
             }
             const bool span_bad = r < nrows && (o0 < 0 || o1 > avail || o1 < o0);
             const bool seed_bad = r < nrows && !span_bad && (seed < -1 || seed >= N);
@@ -125,7 +161,11 @@ struct StepWrite {
                 u64 x = first_link<kScan>();
                 int has = 0;
                 i64 pos = 0;
-                if (seed >= 0) {
+                if (seed >= 0 && published == 1) {  // the state after the seed record its check read
+                    x = (u64)x_pub;
+                    has = 1;
+                    pos = pos_pub;
+                } else if (seed >= 0) {
                     const Record sr = load_record(records, seed);
                     x = next_link<kScan>(sr);
                     has = 1;
@@ -143,6 +183,7 @@ struct StepWrite {
                     }
                 }
             }
+            if (published != 0) st[2] = 0;  // read: zero for the next launch
         }
         __syncthreads();
         // 3. Each token: checks, then the store of its slot's last write.
@@ -156,12 +197,12 @@ struct StepWrite {
                 if (ps != epos) bits |= FAIL_WRITE_POSITION;
             }
             if (has_etok) {
-                etok = etok_in;
+                etok = sh.etok[i];
                 if (etok != -1 && etok != t) bits |= FAIL_WRITE_TOKEN;
             }
-            if (has_epos && epos_in != -1) {
-                epos = epos_in;
-                if (epos_in != ps) bits |= FAIL_WRITE_POSITION;
+            if (has_epos && sh.epos[i] != -1) {
+                epos = sh.epos[i];
+                if (epos != ps) bits |= FAIL_WRITE_POSITION;
             }
             if (s >= N) bits |= FAIL_SLOT_OUT_OF_RANGE;
         }

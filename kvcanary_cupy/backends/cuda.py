@@ -286,7 +286,7 @@ def _fold_table(sources, mode, dev: int, stream: int):
 
 
 # --- plan --------------------------------------------------------------------
-PLAN_SYNC_WORDS = 288  # plan.cu SYNC_WORDS: plan_step's launch state
+PLAN_SYNC_WORDS = 1056  # plan.cu SYNC_WORDS: plan_step's launch state
 # plan.cu's small route (a block decides a row's validity itself, no grid-wide wait) is
 # taken up to this many entries in a step; past it the rows-scan-fill phases are faster.
 SMALL_PLAN_ENTRIES = 1 << 18
