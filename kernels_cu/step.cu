@@ -20,33 +20,16 @@
 // Without real-KV folds a record holds no K/V bytes (its fingerprint is 0), so it can be
 // stamped before the forward writes the K/V: one launch for a whole decode step.
 #include "plan.cu"
+#include "write.cu"
 
 namespace kvc {
 
 inline constexpr i64 STEP_TOKENS = 256;  // tokens the tail takes: one per thread of the block (the launch bounds)
 
-// Bits of StepWriteArgs::widths, as write.cu's: which token inputs are int64, and which
-// expected ones are given.
-inline constexpr int W_IDS = 0, W_POS = 1, W_LOC = 2, W_ETOK = 3, W_EPOS = 4, HAS_ETOK = 5, HAS_EPOS = 6;
-
-// The write's own inputs; the write plan is the plan's (PlanArgs::wp_*), the canary and
-// the log are the verify's (CheckArgs).
-struct StepWriteArgs {
-    const void* input_ids;  // [>= avail]
-    const void* positions;
-    const void* out_cache_loc;
-    const void* exp_tokens;     // used if widths has HAS_ETOK
-    const void* exp_positions;  // used if widths has HAS_EPOS
-    i64 widths;
-    i64 avail;  // the shortest token input, at most STEP_TOKENS
-    i64 tag;    // the write's violation rows
-    const i64* position_check;  // the write plan's switch
-};
-
 struct PlanVerifyWriteArgs {
     PlanArgs p;
     CheckArgs c;
-    StepWriteArgs w;
+    WriteArgs w;  // the write's: its plan is the plan's, its canary and log the check's (no folds, no tiles)
 };
 
 inline constexpr int STEP_TABLE = 2 * STEP_TOKENS;  // the last-write table: at most half full
@@ -83,7 +66,7 @@ __device__ __forceinline__ StepShared& step_shared() {
 
 template <bool kScan>
 struct StepWrite {
-    StepWriteArgs w;
+    WriteArgs w;
 
     static constexpr bool kSeeds = true;  // the rows' seed states, from plan.cu's small route
 
@@ -120,11 +103,11 @@ struct StepWrite {
         sh.epos[i] = f.epos;
     }
 
-    __device__ void last_block(const PlanArgs& p, const CheckArgs* c) const {
+    __device__ void last_block(const PlanArgs& p, const CheckArgs*) const {
         StepShared& sh = step_shared();
         const int i = (int)threadIdx.x;
-        const i64 N = c->num_slots;
-        i64* records = (i64*)c->records;  // the verify's, read-only until now
+        const i64 N = w.num_slots;
+        i64* records = w.records;
         const i64 avail = this->avail();
         const bool in = i < avail;
         const i64 s = sh.slot[i], t = sh.token[i], ps = sh.position[i];
@@ -144,9 +127,9 @@ struct StepWrite {
             i64 o0 = 0, o1 = 0, seed = -1, published = 0, x_pub = 0, pos_pub = 0;
             i64* st = p.sync + SYNC_SEEDS + r * SEED_WORDS;
             if (r < nrows) {
-                o0 = __ldcg(p.wp_offsets + r);
-                o1 = __ldcg(p.wp_offsets + r + 1);
-                seed = __ldcg(p.wp_seeds + r);
+                o0 = __ldcg(w.offsets + r);
+                o1 = __ldcg(w.offsets + r + 1);
+                seed = __ldcg(w.seeds + r);
                 if (r < SMALL_ROWS) {
                     x_pub = __ldcg(st);
                     pos_pub = __ldcg(st + 1);
@@ -155,7 +138,7 @@ struct StepWrite {
             }
             const bool span_bad = r < nrows && (o0 < 0 || o1 > avail || o1 < o0);
             const bool seed_bad = r < nrows && !span_bad && (seed < -1 || seed >= N);
-            append_violation(c->ring, c->head, c->ring_capacity, span_bad || seed_bad, w.tag, span_bad ? -1 : seed,
+            append_violation(w.ring, w.head, w.ring_capacity, span_bad || seed_bad, w.tag, span_bad ? -1 : seed,
                              -1, -1, -1, 0, 0, span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1);
             if (r < nrows && !span_bad && !seed_bad && o1 > o0) {
                 u64 x = first_link<kScan>();
@@ -215,12 +198,12 @@ struct StepWrite {
             rec[0] = make_longlong2(t, ps);
             rec[1] = make_longlong2((i64)link, 0);  // no folds: the fingerprint is 0
         }
-        append_violation(c->ring, c->head, c->ring_capacity, bits != 0, w.tag, s, ps, t, etok, link, link, bits, r,
+        append_violation(w.ring, w.head, w.ring_capacity, bits != 0, w.tag, s, ps, t, etok, link, link, bits, r,
                          epos);
         if (i == 0) {
-            atomicAdd((u64*)(c->counters + CTR_KERNEL_RUNS), 1ULL);  // the write's run
-            if (written != 0) atomicAdd((u64*)(c->counters + CTR_SLOTS_WRITTEN), (u64)written);
-            if (skipped != 0) atomicAdd((u64*)(c->counters + CTR_TOKENS_SKIPPED), (u64)skipped);
+            atomicAdd((u64*)(w.counters + CTR_KERNEL_RUNS), 1ULL);  // the write's run
+            if (written != 0) atomicAdd((u64*)(w.counters + CTR_SLOTS_WRITTEN), (u64)written);
+            if (skipped != 0) atomicAdd((u64*)(w.counters + CTR_TOKENS_SKIPPED), (u64)skipped);
         }
     }
 };

@@ -61,10 +61,8 @@ CHECK_FIELDS = (
     "records", "num_slots", "ring", "head", "ring_capacity", "counters", "tag", "check_tokens", "folds", "num_folds",
     "sample_state", "period", "digest",
 )
-# plan_verify_write_step's argument (step.cu PlanVerifyWriteArgs): PLAN_FIELDS, then the
-# check's with a ``c_`` prefix, then these (StepWriteArgs) with a ``w_`` prefix.
-STEP_WRITE_FIELDS = ("input_ids", "positions", "out_cache_loc", "exp_tokens", "exp_positions", "widths", "avail", "tag",
-                     "position_check")
+# plan_verify_write_step's argument (step.cu PlanVerifyWriteArgs): PLAN_FIELDS, then
+# CHECK_FIELDS with a ``c_`` prefix, then WRITE_FIELDS with a ``w_`` prefix.
 STEP_TOKENS = 256  # step.cu STEP_TOKENS: the most input tokens plan_verify_write stamps
 SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths")
 MAX_UPDATE_TARGETS = 4  # scatter.cu
@@ -376,17 +374,19 @@ def prepare_plan_verify_write(vp, wp, canary, *, log, tag, write_tag, check_toke
     v, dev, threads, _ = _plan_values(vp, wp, stream=stream, **plan_inputs)
     fn, dev, _, c = _canary_fields("step", STEP_KERNELS, canary, log, tag, (), RealKvMode.NONE, stream)
     c.update(check_tokens=1 if check_tokens else 0, sample_state=0, period=1, digest=0)
-    w, widths, avail = _token_inputs(input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
-    w.update(widths=widths, avail=avail, tag=_i64(write_tag), position_check=_ptr(wp.position_check))
+    _, _, _, w = _canary_fields("step", STEP_KERNELS, canary, log, write_tag, (), RealKvMode.NONE, stream)
+    _write_inputs(w, wp, input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
     values = {**v, **{f"c_{k}": x for k, x in c.items()}, **{f"w_{k}": x for k, x in w.items()}}
-    fields = PLAN_FIELDS + tuple(f"c_{k}" for k in CHECK_FIELDS) + tuple(f"w_{k}" for k in STEP_WRITE_FIELDS)
+    fields = PLAN_FIELDS + tuple(f"c_{k}" for k in CHECK_FIELDS) + tuple(f"w_{k}" for k in WRITE_FIELDS)
     return _Launch(fields, fn, dev, values, _blocks(threads, _runtime().resident_blocks(fn, dev)))
 
 
-def _token_inputs(input_ids, positions, out_cache_loc, expected_tokens, expected_positions) -> tuple[dict, int, int]:
-    """(addresses, widths bits, shortest length) of a write's token inputs: write.cu's and
-    step.cu's ``widths`` (which are int64, which expected ones are given) and ``avail``."""
-    v = dict(input_ids=_ptr(input_ids), positions=_ptr(positions), out_cache_loc=_ptr(out_cache_loc))
+def _write_inputs(v: dict, wp, input_ids, positions, out_cache_loc, expected_tokens, expected_positions) -> int:
+    """Adds a write's plan and token inputs to its WRITE_FIELDS values ``v`` (``widths``: which
+    inputs are int64, which expected ones are given); returns ``avail``, the shortest input."""
+    v.update(offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
+             position_check=_ptr(wp.position_check), max_batch=wp.max_batch, input_ids=_ptr(input_ids),
+             positions=_ptr(positions), out_cache_loc=_ptr(out_cache_loc))
     avail = min(input_ids.shape[0], positions.shape[0], out_cache_loc.shape[0])
     widths = _wide(input_ids) | _wide(positions) << 1 | _wide(out_cache_loc) << 2
     if expected_tokens is not None:
@@ -397,7 +397,8 @@ def _token_inputs(input_ids, positions, out_cache_loc, expected_tokens, expected
         avail = min(avail, expected_positions.shape[0])
         widths |= _wide(expected_positions) << 4 | HAS_EPOS
         v["exp_positions"] = _ptr(expected_positions)
-    return v, widths, avail
+    v.update(widths=widths, avail=avail)
+    return avail
 
 
 # --- write and verify ------------------------------------------------------------
@@ -440,9 +441,7 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
     :class:`~kvcanary_cupy.digest.Digest`), one extra block of the launch computes it."""
     stream = _stream(stream)
     fn, dev, nf, v = _canary_fields("write", WRITE_KERNELS, canary, log, tag, sources, mode, stream)
-    tokens, widths, avail = _token_inputs(input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
-    v.update(tokens, offsets=_ptr(wp.offsets), seeds=_ptr(wp.seed_slots), num_rows=_ptr(wp.num_rows),
-             position_check=_ptr(wp.position_check), max_batch=wp.max_batch, widths=widths, avail=avail)
+    avail = _write_inputs(v, wp, input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
     # A warp per row for the chain (a scan chain's long rows: a block per row, when the inputs
     # are long enough to hold one); with folds, up to 32 lanes per token fingerprint.
     scan = canary.chain == fmt.CHAIN_SCAN
