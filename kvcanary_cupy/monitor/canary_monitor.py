@@ -613,7 +613,9 @@ class KvCanary:
         """Close a step whose forward failed: nothing is stamped, ``stats()["aborted_steps"]``
         counts it, and the next :meth:`before_forward` may follow. The records the step did
         not stamp are unverified, not wrong: the engine must not read the tokens it failed
-        to write (its own rollback), or the next verify reports them.
+        to write (its own rollback), or the next verify reports them. With
+        ``stamp_before_forward`` the step's records were stamped before the forward failed;
+        the same rollback keeps them from being read.
 
         Example::
 
