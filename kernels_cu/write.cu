@@ -180,6 +180,12 @@ __device__ __forceinline__ ChainMap then(const ChainMap& first, const ChainMap& 
 
 __device__ __forceinline__ u64 apply_map(const ChainMap& m, u64 x) { return reduce61(mulmod61(m.a, x) + m.b); }
 
+// The map lane `src` holds (src mod 32). Every lane of the warp must call it.
+__device__ __forceinline__ ChainMap shfl_map(const ChainMap& m, unsigned src) {
+    return ChainMap{__shfl_sync(FULL_MASK, m.a, src & 31u), __shfl_sync(FULL_MASK, m.b, src & 31u),
+                    __shfl_sync(FULL_MASK, m.pos, src & 31u), __shfl_sync(FULL_MASK, m.has, src & 31u)};
+}
+
 // One chunk of 32 consecutive tokens of a row, a token per lane.
 struct ScanChunk {
     i64 i, s, t, p;  // token index, slot, token id, position
@@ -425,11 +431,7 @@ __device__ __forceinline__ void scan_warp_maps(ScanShared& sh) {
     const unsigned lane = lane_id(), nwarps = blockDim.x >> 5;
     ChainMap m = lane < nwarps ? sh.maps[lane] : identity_map();
     for (int d = 1; d < MAX_WARPS; d <<= 1) {
-        ChainMap o;
-        o.a = __shfl_up_sync(FULL_MASK, m.a, d);
-        o.b = __shfl_up_sync(FULL_MASK, m.b, d);
-        o.pos = __shfl_up_sync(FULL_MASK, m.pos, d);
-        o.has = __shfl_up_sync(FULL_MASK, m.has, d);
+        const ChainMap o = shfl_map(m, lane - d);
         if (lane >= (unsigned)d) m = then(o, m);
     }
     if (lane < nwarps) sh.below[lane + 1] = m;
@@ -633,17 +635,10 @@ __device__ void look_back(const TileLaunch& tl, i64 t, i64 i, u64& x, int& has, 
             m = ChainMap{(u64)__ldcg(d), (u64)__ldcg(d + 1), __ldcg(d + 2), (int)__ldcg(d + 3)};
         }
         for (int k = 1; k < 32; k <<= 1) {  // lane 0: m_0 after m_1 after ... m_31
-            ChainMap o;
-            o.a = __shfl_down_sync(FULL_MASK, m.a, k);
-            o.b = __shfl_down_sync(FULL_MASK, m.b, k);
-            o.pos = __shfl_down_sync(FULL_MASK, m.pos, k);
-            o.has = __shfl_down_sync(FULL_MASK, m.has, k);
+            const ChainMap o = shfl_map(m, lane + k);
             if (lane + k < 32) m = then(o, m);
         }
-        m.a = __shfl_sync(FULL_MASK, m.a, 0);
-        m.b = __shfl_sync(FULL_MASK, m.b, 0);
-        m.pos = __shfl_sync(FULL_MASK, m.pos, 0);
-        m.has = __shfl_sync(FULL_MASK, m.has, 0);
+        m = shfl_map(m, 0);
         acc = then(m, acc);
         if (out) {
             const i64* d = tl.data + (j - stop) * TILE_DATA_WORDS;

@@ -337,7 +337,7 @@ def _plan_values(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, p
     if wp is not None:
         v.update(wp_offsets=_ptr(wp.offsets), wp_seeds=_ptr(wp.seed_slots), wp_num_rows=_ptr(wp.num_rows),
                  wp_input_errors=_ptr(wp.input_errors), wp_max_batch=wp.max_batch)
-    per_row = min(table.shape[1] * page_size, swa.size if swa is not None else table.shape[1] * page_size)
+    per_row = table.shape[1] * page_size if swa is None else min(table.shape[1] * page_size, swa.size)
     entries = min(vp.capacity, bs * per_row) if vp is not None else 0
     return v, dev, max(bs * BLOCK, entries), entries  # a block per batch row, a thread per entry
 
@@ -372,9 +372,9 @@ def prepare_plan_verify_write(vp, wp, canary, *, log, tag, write_tag, check_toke
     plan_verify_write_step: plan_and_verify's, whose last block out then stamps the tokens."""
     stream = _stream(stream)
     v, dev, threads, _ = _plan_values(vp, wp, stream=stream, **plan_inputs)
-    fn, dev, _, c = _canary_fields("step", STEP_KERNELS, canary, log, tag, (), RealKvMode.NONE, stream)
-    c.update(check_tokens=1 if check_tokens else 0, sample_state=0, period=1, digest=0)
-    _, _, _, w = _canary_fields("step", STEP_KERNELS, canary, log, write_tag, (), RealKvMode.NONE, stream)
+    fn, dev, _, canary_log = _canary_fields("step", STEP_KERNELS, canary, log, tag, (), RealKvMode.NONE, stream)
+    c = dict(canary_log, check_tokens=1 if check_tokens else 0, sample_state=0, period=1, digest=0)
+    w = dict(canary_log, tag=_i64(write_tag))  # the same canary and log, the write's tag
     _write_inputs(w, wp, input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
     values = {**v, **{f"c_{k}": x for k, x in c.items()}, **{f"w_{k}": x for k, x in w.items()}}
     fields = PLAN_FIELDS + tuple(f"c_{k}" for k in CHECK_FIELDS) + tuple(f"w_{k}" for k in WRITE_FIELDS)

@@ -518,13 +518,14 @@ class KvCanary:
         stamped = set()  # groups whose write ran in their check's launch
         for i, (g, args, verify_args, (rpi, pre, ext, r2t, bt, ps, swa, exp, log, tag, srcs, mode, check,
                                        sample)) in enumerate(step.groups):
-            loc = stamp.groups[i][1] if stamp is not None else None
+            loc = stamp.groups[i][1] if stamp is not None else None  # None: not stamped here, or translated
             if loc is not None and stamp.tokens <= ops.STEP_WRITE_TOKENS and not (repair and g.may_overflow):
+                _, write_tag, _, _, exp_in = stamp.groups[i][2]
                 ops.plan_verify_write(g.vp, g.wp, g.canary, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext,
                                       req_to_token=r2t, block_table=bt, page_size=ps, swa=swa, expected=exp,
                                       input_ids=stamp.ids, positions=stamp.pos, out_cache_loc=loc,
-                                      expected_inputs=stamp.groups[i][2][4], log=log, tag=tag,
-                                      write_tag=stamp.groups[i][2][1], check_tokens=check, stream=ptr)
+                                      expected_inputs=exp_in, log=log, tag=tag, write_tag=write_tag,
+                                      check_tokens=check, stream=ptr)
                 stamped.add(i)
                 continue
             if self.verify_after or (repair and g.may_overflow):

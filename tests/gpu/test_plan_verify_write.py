@@ -210,7 +210,7 @@ def test_random_steps_with_faults_and_checks(cp):
         expected = None
         if rng.random() < 0.5:
             etab = np.full((nreq, width), -1, np.int64)
-            etab[rows, 0] = 7 * rows * 0 + rows  # the prefill's token of position 0 is the row index
+            etab[rows, 0] = rows  # the prefill's token of position 0 is the row index
             expected = (etab, (pre + ext).astype(np.int64))
         for s in (ref, dev):
             s.step(table, cast(rows), pre, cast(ext), cast(ids), pos, loc, fused=True,
