@@ -70,20 +70,21 @@ struct PlanArgs {
 };
 
 // The launch state of plan_step: rows handed out, rows finished, blocks exited (and,
-// in the high word, the small route's invalid rows), the entry digest's partial sum
-// (plan_and_verify), the small route's tiles handed out (plan), (a
-// 128-byte line of its own, so that blocks polling it do not slow the counters'
-// atomics) the scan published (0 / 1), the small route's row verdicts (0: not
-// yet, 1: valid, 2: invalid), and, for a tail that writes (step.cu), the small route's
-// seed states: per row the link after its seed record, that record's position and 1 once
+// in the high word, the small route's warps that found a position unreadable), the entry digest's partial sum
+// (plan_and_verify), (a 128-byte line of its own, so that blocks polling it do not slow
+// the counters' atomics) the scan published (0 / 1), and per row of the small route: its
+// verdict (0, or UNREADABLE once a tile found a position unreadable), the entries its
+// tiles counted as checked (plan_and_verify), and, for a tail that writes (step.cu), its
+// seed state: the link after its seed record, that record's position and 1 once
 // published. The last block out zeroes it (the seed states: the tail that reads them).
-inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_TILES_CLAIMED = 4,
-                     SYNC_SCANNED = 16;
+inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_SCANNED = 16;
 inline constexpr int SYNC_VERDICTS = 32;
 inline constexpr int SMALL_ROWS = 256;  // rows the small route takes at most
-inline constexpr int SYNC_SEEDS = SYNC_VERDICTS + SMALL_ROWS, SEED_WORDS = 3;
-inline constexpr int SYNC_WORDS = 1056;
-static_assert(SYNC_WORDS == SYNC_SEEDS + SEED_WORDS * SMALL_ROWS, "a verdict and a seed state per row of the small route");
+inline constexpr int SYNC_CHECKED = SYNC_VERDICTS + SMALL_ROWS;
+inline constexpr int SYNC_SEEDS = SYNC_CHECKED + SMALL_ROWS, SEED_WORDS = 3;
+inline constexpr int SYNC_WORDS = 1312;
+static_assert(SYNC_WORDS == SYNC_SEEDS + SEED_WORDS * SMALL_ROWS,
+              "a verdict, a checked count and a seed state per row of the small route");
 
 inline constexpr i64 I64_MAX = 0x7FFFFFFFFFFFFFFFLL;
 
@@ -361,13 +362,22 @@ __device__ __forceinline__ u64 lane_fingerprints(const CheckArgs& c, i64 slot, b
     return mine;
 }
 
+// What the check of one entry found: the reasons it fails (0: none) and what its
+// violation row holds.
+struct EntryCheck {
+    i64 bits, pos, tok;
+    u64 link, elink;
+};
+
 // verify.cu's check of one entry, for the entry each lane of a warp derived: entries
 // of consecutive lanes are consecutive, so a predecessor that is the lane below's
 // slot takes its link over a shuffle. Every lane must call it. Returns whether it read
-// the entry's record, and that record in *loaded (if given).
+// the entry's record, and that record in *loaded (if given); what it found goes to `out`
+// (check_entry appends it; the small route below first asks whether the row is readable).
 template <bool kFp, bool kScan>
-__device__ __forceinline__ bool check_entry(const CheckArgs& c, bool act, i64 row, i64 slot, i64 prev, i64 epos,
-                                            i64 etok, int g, i64 phase, i64& checked, Record* loaded = nullptr) {
+__device__ __forceinline__ bool entry_check(const CheckArgs& c, bool act, i64 slot, i64 prev, i64 epos, i64 etok,
+                                            int g, i64 phase, i64& checked, EntryCheck& out,
+                                            Record* loaded = nullptr) {
     const unsigned lane = lane_id();
     const i64 N = c.num_slots;
     const bool live = act && slot != RESERVED_SLOT;
@@ -385,24 +395,37 @@ __device__ __forceinline__ bool check_entry(const CheckArgs& c, bool act, i64 ro
     const u64 link_below = __shfl_up_sync(FULL_MASK, next_link<kScan>(r), 1);
     u64 fp = 0;
     if (kFp) fp = lane_fingerprints(c, slot, fp_sel, g);
-    i64 bits = 0, pos = -1, tok = -1;
-    u64 link = 0, elink = 0;
+    out = EntryCheck{0, -1, -1, 0, 0};
     if (live) {
         ++checked;
         if (oor) {
-            bits = FAIL_SLOT_OUT_OF_RANGE;
+            out.bits = FAIL_SLOT_OUT_OF_RANGE;
         } else {
-            bits = record_failures<kScan>(r, pr, prev, prev_below, link_below, epos, etok, c.check_tokens != 0, fp_sel, fp,
-                                          elink);
-            pos = r.position;
-            tok = r.token;
-            link = r.link;
+            out.bits = record_failures<kScan>(r, pr, prev, prev_below, link_below, epos, etok, c.check_tokens != 0,
+                                              fp_sel, fp, out.elink);
+            out.pos = r.position;
+            out.tok = r.token;
+            out.link = r.link;
         }
     }
-    append_violation(c.ring, c.head, c.ring_capacity, bits != 0, c.tag, slot, pos, tok, etok, link, elink, bits, row,
-                     epos);
     if (loaded != nullptr) *loaded = r;
     return chk;
+}
+
+// Appends an entry's violation row, if it failed (every lane of the warp calls it).
+__device__ __forceinline__ void append_entry(const CheckArgs& c, bool has, const EntryCheck& x, i64 row, i64 slot,
+                                             i64 epos, i64 etok) {
+    append_violation(c.ring, c.head, c.ring_capacity, has && x.bits != 0, c.tag, slot, x.pos, x.tok, etok, x.link,
+                     x.elink, x.bits, row, epos);
+}
+
+// entry_check, then its violation row.
+template <bool kFp, bool kScan>
+__device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 row, i64 slot, i64 prev, i64 epos,
+                                            i64 etok, int g, i64 phase, i64& checked) {
+    EntryCheck x;
+    entry_check<kFp, kScan>(c, act, slot, prev, epos, etok, g, phase, checked, x);
+    append_entry(c, true, x, row, slot, epos, etok);
 }
 
 // The verify entries, each warp a contiguous run of them, 32 at a time. Offsets
@@ -486,39 +509,51 @@ __device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64&
     }
 }
 
-// --- small steps: tiles that decide their row themselves ------------------------
+// --- small steps: warps that wait for no one ----------------------------------
 // The phases above are a chain of about twenty dependent global round trips (claim a
 // row, its table, the row-done atomic, the scan, the flag, the fill), and a decode
 // step of a few rows pays all of it. When the batch fits a block (bs <= SMALL_ROWS),
 // no row reads more than SMALL_ROW_MAX positions and the rows' entries fit the plan's
 // capacity and small_max even if every row is valid, the launch takes this route:
 //   every block reads every row's inputs (a row per thread) and lays the entries out
-//   in tiles of blockDim entries, a tile within one row;
-//   a block takes a tile and decides the validity of its row itself, reading the
-//   whole row's table (the row's other tiles read it again, from L2, instead of
-//   waiting for each other), then checks (plan_and_verify) or writes (plan) the
-//   tile's entries;
-//   the last block out turns the rows' verdicts into the offsets and plan scalars.
-// plan_and_verify's checks need no offsets, so its blocks never wait. plan's entries
-// need their row's offset: a plan tile waits for the verdicts of the rows before
-// its own, which the blocks holding those rows' first tiles publish before they
-// could wait themselves; tiles are handed out in order, so those blocks are running.
-// The digest of the entries (which needs each entry's index) takes the phases above.
+//   as if every row whose inputs are in range were readable, in tiles of blockDim
+//   entries, a tile within one row;
+//   a block takes a tile, and each of its warps the tile's 32 entries at its lane's
+//   place, on its own: no barrier, so a warp waiting for its records holds up no other.
+//   A warp reads the table at its positions and at the one before its first, then
+//   checks (plan_and_verify) or writes (plan) its entries where the layout puts them;
+//   a warp that finds one of its positions unreadable marks its row (SYNC_VERDICTS) and
+//   checks nothing; a warp whose checks fail reads its whole row before it reports them,
+//   so that an unreadable row reports nothing, as in the reference;
+//   the last block out turns the rows' verdicts into the offsets and plan scalars. Only
+//   when a row was unreadable does it read the verdicts back, take back what that row's
+//   readable warps counted as checked (SYNC_CHECKED) and, for plan, move the entries of
+//   the rows after it down to their offsets.
+// A clean step's warps never wait for each other, and each table element is read once
+// (twice for a warp's first predecessor). The digest of the entries, which needs each
+// entry's index, takes the phases above.
 inline constexpr i64 SMALL_ROW_MAX = 8192;
 
 inline constexpr int SMALL_TILE = 256;  // entries per tile: blockDim (the launch bounds)
+inline constexpr i64 UNREADABLE = 2;    // a row's verdict word: a warp found a position unreadable
+inline constexpr i64 ENTRY_BITS = 32;   // SmallRows::ends: tiles above, entries below
 
 struct SmallRows {
     i64 rp[SMALL_ROWS], P[SMALL_ROWS], E[SMALL_ROWS];
-    i64 n[SMALL_ROWS];         // the row's entries if it is valid; -1: its inputs are out of range
-    i64 lim[SMALL_ROWS];       // expected tokens: the row's valid length, at most the table's width
-    i64 tile_end[SMALL_ROWS];  // inclusive prefix sums of the rows' tile counts
-    i64 tiles, entries;        // totals over the rows
-    i64 writes;                // the rows' write lengths, summed over the rows whose inputs are in range
-    i64 tile, seed, offset;    // the block's current tile; its row's seed slot and first entry
-    i64 invalid;               // rows this block found unreadable (it holds their first tiles)
-    i64 slot[SMALL_TILE + 1];  // the slots of the tile's positions, after its first's predecessor
+    i64 n[SMALL_ROWS];    // the row's entries if it is valid; -1: its inputs are out of range
+    i64 lim[SMALL_ROWS];  // expected tokens: the row's valid length, at most the table's width
+    // Inclusive prefix sums over the rows, if every row is valid: tiles << ENTRY_BITS | entries.
+    i64 ends[SMALL_ROWS];
+    i64 offset[SMALL_ROWS];  // the last block, plan with unreadable rows: a valid row's offset, else -1
+    i64 tiles, entries;      // totals over the rows
+    i64 writes;              // the rows' write lengths, summed over the rows whose inputs are in range
+    u64 invalid;             // warps of this block that found a position unreadable
 };
+
+// Row r's first entry in the small route's layout.
+__device__ __forceinline__ i64 small_first_entry(const SmallRows& s, i64 r) {
+    return (s.ends[r] & ((1LL << ENTRY_BITS) - 1)) - (s.n[r] > 0 ? s.n[r] : 0);
+}
 
 // Reads every row's inputs into s and says whether the step takes the small route: the
 // same answer in every block, since it depends on the inputs only. Every thread calls it.
@@ -547,14 +582,14 @@ __device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, Small
         tiles = (n + blockDim.x - 1) / blockDim.x;
     }
     const bool fits = __syncthreads_and(n <= SMALL_ROW_MAX);
-    // Both sums in one scan: entries < 2**21 and tiles < 2**14 whenever the route is taken.
+    // Both sums in one scan: entries < 2**22 and tiles < 2**15 whenever the route is taken.
     i64 total;
-    const i64 incl = block_scan((tiles << 32) | n, scratch, total);
-    if (r < a.bs) s.tile_end[r] = incl >> 32;
-    const i64 entries = total & 0xFFFFFFFFLL;
+    const i64 incl = block_scan((tiles << ENTRY_BITS) | n, scratch, total);
+    if (r < a.bs) s.ends[r] = incl;
+    const i64 entries = total & ((1LL << ENTRY_BITS) - 1);
     const i64 writes = block_sum(w, scratch);
     if (threadIdx.x == 0) {
-        s.tiles = total >> 32;
+        s.tiles = total >> ENTRY_BITS;
         s.entries = entries;
         s.writes = writes;
         s.invalid = 0;
@@ -567,122 +602,169 @@ __device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, Small
     return small;
 }
 
-// The small route's tiles for this block (see above).
-// plan's tiles come in order from a counter (see above): `ticket` (thread 0) is the
-// block's first, claimed at the start of the launch so that its round trip overlaps the
-// rows' loads. kSeeds: publish each writing row's seed state (see SYNC_SEEDS), from the
-// check of its last position, whose record is the seed.
+// The slots of a warp's positions first + lane (-1 past P or unreadable) and, in lane 0,
+// of first - 1 (-1 if first is 0); whether every one of them is readable (every lane).
+// Both loads go out before either is used.
+__device__ __forceinline__ bool warp_slots(const PlanArgs& a, i64 rp, i64 first, i64 P, i64& slot, i64& before) {
+    const i64 pos = first + lane_id();
+    const bool in = pos < P, want = lane_id() == 0 && first > 0;
+    const i64 v = in ? table_at(a, rp, pos) : 0;
+    const i64 vb = want ? table_at(a, rp, first - 1) : 0;
+    slot = in ? slot_of_value(a, v, pos) : -1;
+    before = want ? slot_of_value(a, vb, first - 1) : -1;
+    return !__any_sync(FULL_MASK, (in && slot < 0) || (want && before < 0));
+}
+
+// Whether row rp's whole range [start - 1, P) is readable, by one warp (every lane).
+__device__ bool warp_row_readable(const PlanArgs& a, i64 rp, i64 P) {
+    const i64 start = window_start(a, P);
+    bool bad = false;
+    for (i64 pos = (start > 0 ? start - 1 : 0) + lane_id(); pos < P; pos += 32) bad |= slot_at(a, rp, pos) < 0;
+    return !__any_sync(FULL_MASK, bad);
+}
+
+// The small route's tiles for this block (see above), k = blockIdx.x + j gridDim.x, each
+// warp its 32 entries of each. kSeeds: publish each writing row's seed state (see
+// SYNC_SEEDS), from the check of its last position, whose record is the seed.
 template <bool kVerify, bool kFp, bool kScan, bool kSeeds>
-__device__ __forceinline__ void small_tiles(const PlanArgs& a, const CheckArgs* c, SmallRows& s, u64 ticket,
-                                            i64 phase, i64& checked, i64* scratch) {
+__device__ __forceinline__ void small_tiles(const PlanArgs& a, const CheckArgs* c, SmallRows& s, i64 phase,
+                                            i64& checked) {
     i64* sync = a.sync;
     const bool w_etab = width_bit(a.widths, W_ETAB);
+    const unsigned lane = lane_id();
     const int g = kFp ? lanes_per_fingerprint(s.entries, c->num_folds) : 1;
-    if (!kVerify && threadIdx.x == 0) s.tile = (i64)ticket;
-    __syncthreads();
-    for (i64 k = kVerify ? blockIdx.x : s.tile;;) {
-        if (k >= s.tiles) break;
-        // The tile's row: the first whose tile_end exceeds k.
+    u64 unreadable = 0;  // lane 0
+    for (i64 k = blockIdx.x; k < s.tiles; k += gridDim.x) {
+        // The tile's row: the first whose tile count so far exceeds k.
         i64 lo_r = 0, hi_r = a.bs - 1;
         while (lo_r < hi_r) {
             const i64 mid = (lo_r + hi_r) >> 1;
-            if (s.tile_end[mid] > k) hi_r = mid;
+            if ((s.ends[mid] >> ENTRY_BITS) > k) hi_r = mid;
             else lo_r = mid + 1;
         }
-        const i64 r = lo_r, jt = k - (r > 0 ? s.tile_end[r - 1] : 0);
+        const i64 r = lo_r, jt = k - (r > 0 ? s.ends[r - 1] >> ENTRY_BITS : 0);
         const i64 rp = s.rp[r], P = s.P[r], start = window_start(a, P);
         const i64 i = jt * blockDim.x + threadIdx.x;  // the entry's index in its row
-        const i64 pos = start + i;
+        const i64 pos = start + i, first = pos - lane;
+        if (first >= P) continue;  // uniform over the warp: none of the tile's entries is its
         const bool act = pos < P;
-        // The expected token's load goes out now and is used after the row's table: a
-        // raw value per width, since a conversion right after the load would wait for it.
+        // The expected token's load goes out now and is used after the table: a raw value
+        // per width, since a conversion right after the load would wait for it.
         const bool want = act && a.erows >= 0 && pos + a.eoffset >= 0 && pos + a.eoffset < s.lim[r];
         const i64 ek = rp * a.ewidth + pos + a.eoffset;
         const i64 tok64 = want && w_etab ? ((const i64*)a.etab)[ek] : 0;
         const int tok32 = want && !w_etab ? ((const int*)a.etab)[ek] : 0;
-        if (threadIdx.x == 0) s.seed = -1;
-        __syncthreads();
-        const i64 first = start + jt * blockDim.x;
-        const bool valid = row_readable(a, rp, start > 0 ? start - 1 : 0, P, &s.seed,
-                                        KeptSlots{s.slot, first - 1, (i64)blockDim.x + 1});
-        if (jt == 0 && threadIdx.x == 0) {  // the row's first tile publishes its verdict
-            if (a.wp_offsets != nullptr) a.wp_seeds[r] = valid && s.E[r] > 0 ? s.seed : -1;
-            atomicExch((u64*)(sync + SYNC_VERDICTS + r), valid ? 1ULL : 2ULL);
-            if (!valid) ++s.invalid;
+        // The position before the warp's first: the row's first warp's is the window head's
+        // predecessor, which the row reads; a later warp's is read again for the predecessor
+        // of its first entry. Every position of [start - 1, P) is in some warp's range.
+        i64 slot, before;
+        const bool readable = warp_slots(a, rp, first, P, slot, before);
+        const i64 below = __shfl_up_sync(FULL_MASK, slot, 1);
+        if (!readable && lane == 0) {
+            sync[SYNC_VERDICTS + r] = UNREADABLE;
+            ++unreadable;
         }
-        if constexpr (!kVerify) {
-            // The row's first entry: the entries of the valid rows before it.
-            i64 before = 0;
-            if ((i64)threadIdx.x < r && s.n[threadIdx.x] > 0) {
-                if (poll_at_least(sync + SYNC_VERDICTS + threadIdx.x, 1) == 1) before = s.n[threadIdx.x];
-            }
-            const i64 sum = block_sum(before, scratch);
-            if (threadIdx.x == 0) s.offset = sum;
-            __syncthreads();
-        }
-        // row_readable's barrier made the kept slots visible; the next tile's writes to them
-        // come after the barrier above.
-        if (valid) {  // uniform over the block
-            const i64 slot = act ? s.slot[threadIdx.x + 1] : -1;
-            const i64 prev = act && pos > 0 ? s.slot[threadIdx.x] : -1;
-            const i64 tok = want ? (w_etab ? tok64 : (i64)tok32) : -1;
-            if constexpr (kVerify) {
-                Record rec;
-                const bool read = check_entry<kFp, kScan>(*c, act, r, slot, prev, pos, tok, g, phase, checked,
-                                                          kSeeds ? &rec : nullptr);
-                if (kSeeds && read && pos == P - 1 && s.E[r] > 0) {
-                    i64* st = sync + SYNC_SEEDS + r * SEED_WORDS;
-                    st[0] = (i64)next_link<kScan>(rec);
-                    st[1] = rec.position;
-                    st[2] = 1;
-                }
-            } else if (act) {
-                const i64 e = s.offset + i;
-                a.vp_slot[e] = slot;
-                a.vp_prev[e] = prev;
-                a.vp_epos[e] = pos;
-                a.vp_etok[e] = tok;
-            }
-        }
-        __syncthreads();  // the kept slots are read before the next tile overwrites them
+        // The row's last position holds its seed (the last block stores -1 if the row is unreadable).
+        if (act && pos == P - 1 && a.wp_offsets != nullptr) a.wp_seeds[r] = readable && s.E[r] > 0 ? slot : -1;
+        if (!readable) continue;  // uniform over the warp
+        const i64 prev = act && pos > 0 ? (lane > 0 ? below : before) : -1;
+        const i64 tok = want ? (w_etab ? tok64 : (i64)tok32) : -1;
         if constexpr (kVerify) {
-            k += gridDim.x;
-        } else {
-            if (threadIdx.x == 0) s.tile = (i64)atomicAdd((u64*)(sync + SYNC_TILES_CLAIMED), 1ULL);
+            const i64 was = checked;
+            EntryCheck x;
+            Record rec;
+            const bool read = entry_check<kFp, kScan>(*c, act, slot, prev, pos, tok, g, phase, checked, x,
+                                                      kSeeds ? &rec : nullptr);
+            if (kSeeds && read && pos == P - 1 && s.E[r] > 0) {
+                i64* st = sync + SYNC_SEEDS + r * SEED_WORDS;
+                st[0] = (i64)next_link<kScan>(rec);
+                st[1] = rec.position;
+                st[2] = 1;
+            }
+            // The warp's count, kept per row: the last block takes it back if the row is unreadable.
+            const unsigned counted = __ballot_sync(FULL_MASK, checked != was);
+            if (lane == 0 && counted != 0u) atomicAdd((u64*)(sync + SYNC_CHECKED + r), (u64)__popc(counted));
+            // An unreadable row reports nothing: a warp with failures (rare) reads its whole row,
+            // then checks again and reports (nothing of the first check stays live meanwhile).
+            if (__any_sync(FULL_MASK, x.bits != 0) && warp_row_readable(a, rp, P)) {
+                i64 again = 0;
+                check_entry<kFp, kScan>(*c, act, r, slot, prev, pos, tok, g, phase, again);
+            }
+        } else if (act) {
+            const i64 e = small_first_entry(s, r) + i;
+            a.vp_slot[e] = slot;
+            a.vp_prev[e] = prev;
+            a.vp_epos[e] = pos;
+            a.vp_etok[e] = tok;
+        }
+    }
+    if (lane == 0 && unreadable != 0) atomicAdd(&s.invalid, unreadable);
+    __syncthreads();  // s.invalid is complete
+}
+
+// plan's entries on a small step with unreadable rows: the valid rows' entries move down
+// from where the layout put them (every row valid) to their offsets. Rows in order, a
+// block's worth of entries at a time, each read whole before any is stored: entries only
+// move down, so no store lands on an entry not yet read. Every thread calls it.
+__device__ void small_compact(const PlanArgs& a, const SmallRows& s) {
+    i64* const arrays[4] = {a.vp_slot, a.vp_prev, a.vp_epos, a.vp_etok};
+    for (i64 r = 0; r < a.bs; ++r) {
+        const i64 to = s.offset[r], n = s.n[r], from = small_first_entry(s, r);
+        if (to < 0 || to == from) continue;  // uniform: shared values
+        for (i64 k = 0; k < n; k += blockDim.x) {
+            const i64 i = k + threadIdx.x;
+            i64 v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[j] = i < n ? __ldcg(arrays[j] + from + i) : 0;
             __syncthreads();
-            k = s.tile;
-            __syncthreads();  // every thread has k before thread 0 claims again
+            if (i < n) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) arrays[j][to + i] = v[j];
+            }
         }
     }
 }
 
 // The small route's last block: the offsets, seeds and plan scalars from the rows'
-// verdicts, and the verdicts cleared for the next launch. Every thread calls it.
-// `invalid`: rows found unreadable in the whole launch; with none, every row whose
-// inputs are in range is valid and no verdict needs reading.
-__device__ __forceinline__ void small_finish(const PlanArgs& a, const SmallRows& s, i64 invalid, i64* scratch) {
+// verdicts, the verdicts and per-row counts cleared for the next launch. Every thread
+// calls it. `invalid`: the launch's warps that found a position unreadable; with none,
+// every row whose inputs are in range is valid and nothing needs reading back.
+template <bool kVerify>
+__device__ __forceinline__ void small_finish(const PlanArgs& a, const CheckArgs* c, SmallRows& s, i64 invalid,
+                                             i64* scratch) {
     i64* sync = a.sync;
     const i64 r = threadIdx.x;
-    i64 vc = 0, wc = 0;
-    bool error = false;
+    i64 vc = 0, wc = 0, undo = 0;
+    bool error = false, valid = false;
     if (r < a.bs) {
         const i64 n = s.n[r];
-        bool valid = n == 0;
+        valid = n >= 0;
         if (n > 0) {
-            valid = invalid == 0 || __ldcg(sync + SYNC_VERDICTS + r) == 1;
-            sync[SYNC_VERDICTS + r] = 0;
+            if (invalid != 0) {
+                valid = __ldcg(sync + SYNC_VERDICTS + r) != UNREADABLE;
+                sync[SYNC_VERDICTS + r] = 0;
+                if (kVerify && !valid) undo = __ldcg(sync + SYNC_CHECKED + r);
+            }
+            if (kVerify) sync[SYNC_CHECKED + r] = 0;
         }
         error = s.rp[r] != PADDING_REQ && !valid;
         vc = valid ? n : 0;
         wc = valid ? s.E[r] : 0;
-        if (a.wp_offsets != nullptr && n <= 0) a.wp_seeds[r] = -1;  // no tile: P == 0, or out of range
+        // No entries (P == 0, or inputs out of range), or an unreadable row: no seed.
+        if (a.wp_offsets != nullptr && (n <= 0 || !valid)) a.wp_seeds[r] = -1;
     }
     const i64 errors = __syncthreads_count(error);
+    const i64 undone = kVerify && invalid != 0 ? block_sum(undo, scratch) : 0;  // thread 0
     i64 vt, wt;
     const i64 vi = block_scan(vc, scratch, vt);
     const i64 wi = block_scan(wc, scratch, wt);
     if (r < a.bs) a.vp_offsets[r + 1] = vi;
     if (a.wp_offsets != nullptr && r < a.bs) a.wp_offsets[r + 1] = wi;
+    if (!kVerify && invalid != 0) {
+        if (r < a.bs) s.offset[r] = valid && vc > 0 ? vi - vc : -1;
+        __syncthreads();
+        small_compact(a, s);
+    }
     // Every block stored the tails with the totals of a step whose rows are all readable;
     // only a step with unreadable rows has other totals.
     if (invalid != 0) plan_tails(a, vt, wt, 0, 1);
@@ -700,6 +782,7 @@ __device__ __forceinline__ void small_finish(const PlanArgs& a, const SmallRows&
             *a.wp_num_rows = a.bs;
             if (errors != 0 && a.wp_input_errors != nullptr) atomicAdd((u64*)a.wp_input_errors, (u64)errors);
         }
+        if (undone != 0) atomicAdd((u64*)(c->counters + CTR_SLOTS_CHECKED), (u64)(-undone));
     }
 }
 
@@ -731,8 +814,6 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
         if (threadIdx.x == 0)
             s_phase = c->sample_state != nullptr ? pmod(__ldcg(c->sample_state), c->period) : -1;
     }
-    u64 ticket = 0;  // thread 0, plan: the small route's first tile (unused on the other route)
-    if (!kVerify && threadIdx.x == 0) ticket = atomicAdd((u64*)(sync + SYNC_TILES_CLAIMED), 1ULL);
     const auto fetched = tail.prefetch();  // in flight with the rows' inputs
     const bool small = small_rows(a, kVerify && c->digest != nullptr, s_small, sh);
     tail.stash(fetched);
@@ -740,7 +821,7 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
     __shared__ u64 s_digest[32];  // kVerify with c->digest: per warp, its entries' terms
     s_digest[threadIdx.x >> 5] = 0;  // before the barriers below
     if (small) {
-        small_tiles<kVerify, kFp, kScan, Tail::kSeeds>(a, c, s_small, ticket, kVerify ? s_phase : -1, checked, sh);
+        small_tiles<kVerify, kFp, kScan, Tail::kSeeds>(a, c, s_small, kVerify ? s_phase : -1, checked);
     } else {
         i64 errors = 0;       // thread 0
         bool scanner = false;  // thread 0
@@ -797,12 +878,12 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
             }
         }
     }
-    // The exit count in the low word; the small route's unreadable rows in the high word, so
+    // The exit count in the low word; the small route's warps that found a position unreadable in the high word, so
     // that the last block out learns of them from the same atomic.
     __shared__ i64 s_invalid;
     if (threadIdx.x == 0) {
         __threadfence();
-        const u64 mine = small ? (u64)s_small.invalid : 0;
+        const u64 mine = small ? s_small.invalid : 0;
         const u64 before = atomicAdd((u64*)(sync + SYNC_EXITED), 1ULL + (mine << 32));
         s_last = (before & 0xFFFFFFFFULL) == (u64)(gridDim.x - 1);
         s_invalid = (i64)((before >> 32) + mine);
@@ -814,10 +895,9 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
     // it below (the verdicts of a step with unreadable rows, the digest's scalars): a clean
     // small step's last block waits for nothing.
     if ((small && s_invalid != 0) || (kVerify && c->digest != nullptr)) __threadfence();
-    if (small) small_finish(a, s_small, s_invalid, sh);
+    if (small) small_finish<kVerify>(a, c, s_small, s_invalid, sh);
     if (threadIdx.x == 0) {
         sync[SYNC_ROWS_CLAIMED] = 0;
-        sync[SYNC_TILES_CLAIMED] = 0;
         sync[SYNC_ROWS_DONE] = 0;
         sync[SYNC_SCANNED] = 0;
         sync[SYNC_EXITED] = 0;

@@ -56,6 +56,8 @@ class VerifyPlan:
         slot_indices, prev_slot_indices, expected_positions, expected_tokens:
             ``[capacity]``; entry i checks slot ``slot_indices[i]`` against its
             predecessor ``prev_slot_indices[i]`` (-1: the sequence's first token).
+            Only the first ``num_valid`` are defined (the CUDA backend may use the rest
+            as scratch on a step with unreadable rows); an overflowed plan writes none.
         offsets: ``[max_batch + 1]``, exclusive prefix sums of entries per batch row;
             rows past the batch repeat the total, so the array is monotone throughout.
         num_valid, enable, requested, input_errors, overflows, max_requested:

@@ -382,8 +382,16 @@ def _eq(what, a, b):
 
 def compare_plans(what, ref: Side, dev: Side, rvp, dvp, rwp, dwp):
     if rvp is not None:
-        for f in VerifyPlan.ENTRY_FIELDS + VerifyPlan.SCALAR_FIELDS + ("offsets",):
+        for f in VerifyPlan.SCALAR_FIELDS + ("offsets",):
             _eq(f"{what} vp.{f}", dev.to_host(getattr(dvp, f)), ref.to_host(getattr(rvp, f)))
+        # The entries are defined up to num_valid; a plan that overflowed writes none.
+        n = int(ref.to_host(rvp.num_valid)[0])
+        enabled = int(ref.to_host(rvp.enable)[0]) == 1
+        for f in VerifyPlan.ENTRY_FIELDS:
+            d = dev.to_host(getattr(dvp, f))
+            _eq(f"{what} vp.{f}", d[:n], ref.to_host(getattr(rvp, f))[:n])
+            if not enabled:
+                assert (d == POISON).all(), f"{what} vp.{f}: an overflowed plan wrote entries"
     if rwp is not None:
         for f in ("offsets", "seed_slots", "num_rows", "input_errors"):
             _eq(f"{what} wp.{f}", dev.to_host(getattr(dwp, f)), ref.to_host(getattr(rwp, f)))
