@@ -121,8 +121,9 @@ class LibraryEngine:
     """The reference: the library's own ops on NumPy (or CuPy) arrays. ``fused``: the
     library's plan_and_verify where this version has one, else plan then verify."""
 
-    def __init__(self, wl: Workload, *, xp=np, device: str = "cpu", fused: bool = False, sampler_period: int = 0):
-        self.wl, self.xp = wl, xp
+    def __init__(self, wl: Workload, *, xp=np, device: str = "cpu", fused: bool = False, sampler_period: int = 0,
+                 stamp: bool = False):
+        self.wl, self.xp, self.stamp = wl, xp, stamp
         self.fused = getattr(kc, "plan_and_verify", None) if fused else None
         self.canary = kc.CanaryBuffer.allocate(num_slots=NUM_SLOTS, device=device)
         self.vp = kc.VerifyPlan.allocate(capacity=64, max_batch=BATCH, device=device)
@@ -147,16 +148,21 @@ class LibraryEngine:
                     extend_lens=xp.asarray(s.extend), expected=self.expected, **table)
         checks = dict(log=self.log, tag=LaunchTag.VERIFY, real_kv=self.src, real_kv_mode=RealKvMode.ALL,
                       check_tokens=True, sample=self.sampler)
-        if self.fused is not None:
+        ids = xp.asarray(s.ids)
+        tokens = dict(input_ids=ids, positions=xp.asarray(s.pos), out_cache_loc=xp.asarray(s.loc),
+                      expected_inputs=(ids, None))
+        if self.stamp:  # stamped before the forward: no fingerprints
+            kc.plan_verify_write(self.vp, self.wp, self.canary, **rows, **tokens, log=self.log, tag=LaunchTag.VERIFY,
+                                 write_tag=LaunchTag.WRITE, check_tokens=True)
+        elif self.fused is not None:
             self.fused(self.vp, self.wp, self.canary, **rows, **checks)
         else:
             kc.plan(self.vp, self.wp, **rows)
             kc.verify(self.canary, self.vp, **checks)
         self.kv[xp.asarray(s.loc)] = xp.asarray(s.kv_new)  # the forward writes its K/V
-        ids = xp.asarray(s.ids)
-        kc.write(self.canary, self.wp, input_ids=ids, positions=xp.asarray(s.pos), out_cache_loc=xp.asarray(s.loc),
-                 log=self.log, tag=LaunchTag.WRITE, real_kv=self.src, real_kv_mode=RealKvMode.ALL,
-                 expected_inputs=(ids, None))
+        if not self.stamp:
+            kc.write(self.canary, self.wp, **tokens, log=self.log, tag=LaunchTag.WRITE, real_kv=self.src,
+                     real_kv_mode=RealKvMode.ALL)
         records = self.canary.records
         records += xp.asarray(s.rec_fault)
         self.kv[xp.asarray(s.kv_fault_slot)] = xp.asarray(s.kv_fault_value)
@@ -178,8 +184,8 @@ class TorchEngine:
     replays a captured step keeps them."""
 
     def __init__(self, wl: Workload, *, device: str = "cpu", fused: bool = True, compiled: bool = False,
-                 sampler_period: int = 0):
-        self.wl, self.fused = wl, fused
+                 sampler_period: int = 0, stamp: bool = False):
+        self.wl, self.fused, self.stamp = wl, fused, stamp
         dev = torch.device(device)
         self.canary = kt.TorchCanaryBuffer.allocate(num_slots=NUM_SLOTS, device=dev)
         self.vp = kt.TorchVerifyPlan.allocate(capacity=64, max_batch=BATCH, device=dev)
@@ -204,14 +210,19 @@ class TorchEngine:
         rows = dict(req_pool_indices=rpi, prefix_lens=prefix, extend_lens=extend, expected=self.expected, **table)
         checks = dict(log=self.log, tag=LaunchTag.VERIFY, real_kv=self.src, real_kv_mode=RealKvMode.ALL,
                       check_tokens=True, sample=self.sampler)
-        if self.fused:
+        tokens = dict(input_ids=ids, positions=pos, out_cache_loc=loc, expected_inputs=(ids, None))
+        if self.stamp:
+            kt.plan_verify_write(self.vp, self.wp, self.canary, **rows, **tokens, log=self.log, tag=LaunchTag.VERIFY,
+                                 write_tag=LaunchTag.WRITE, check_tokens=True)
+        elif self.fused:
             kt.plan_and_verify(self.vp, self.wp, self.canary, **rows, **checks)
         else:
             kt.plan(self.vp, self.wp, **rows)
             kt.verify(self.canary, self.vp, **checks)
         self.kv.index_copy_(0, loc, kv_new)  # the forward writes its K/V
-        kt.write(self.canary, self.wp, input_ids=ids, positions=pos, out_cache_loc=loc, log=self.log,
-                 tag=LaunchTag.WRITE, real_kv=self.src, real_kv_mode=RealKvMode.ALL, expected_inputs=(ids, None))
+        if not self.stamp:
+            kt.write(self.canary, self.wp, **tokens, log=self.log, tag=LaunchTag.WRITE, real_kv=self.src,
+                     real_kv_mode=RealKvMode.ALL)
         self.canary.records.add_(rec_fault)
         self.kv.index_copy_(0, kv_fault_slot, kv_fault_value)
 
@@ -257,12 +268,13 @@ def assert_same_state(ref: dict, got: dict, what: str, *, rows_as_multiset: bool
         assert a.tobytes() == b.tobytes(), f"{what}: {k} differs:\n{a}\nvs\n{b}"
 
 
-def assert_faults_found(wl: Workload, log_rows: np.ndarray) -> None:
+def assert_faults_found(wl: Workload, log_rows: np.ndarray, *, real_kv: bool = True) -> None:
+    """The changed token and its successor's chain are found, and (``real_kv``) the stray K/V write."""
     found = [kc.Violation.from_row(r) for r in log_rows]
     token = [v for v in found if v.slot == wl.token_fault_slot and FailReason.TOKEN in v.reasons]
     chain = [v for v in found if FailReason.CHAIN in v.reasons]
     kv = [v for v in found if v.slot == wl.kv_fault_slot and FailReason.REAL_KV in v.reasons]
-    assert token and chain and kv, [str(v) for v in found]
+    assert token and chain and (kv or not real_kv), [str(v) for v in found]
     assert all(v.tag == LaunchTag.VERIFY for v in token + chain + kv)
 
 
@@ -295,6 +307,9 @@ def flat_args(eng: TorchEngine, op: str) -> tuple:
     if op == "write":
         return (eng.canary.records, eng.canary.chain, eng.wp.tensors(), i["ids"], i["pos"], i["loc"],
                 eng.log.tensors(), int(LaunchTag.WRITE), *checks[1:], i["ids"], None)
+    if op == "plan_verify_write":
+        return (eng.vp.tensors(), eng.wp.tensors(), eng.canary.records, eng.canary.chain, *plan, i["ids"], i["pos"],
+                i["loc"], i["ids"], None, eng.log.tensors(), int(LaunchTag.VERIFY), int(LaunchTag.WRITE), True)
     return (eng.vp.tensors(), eng.wp.tensors(), eng.canary.records, eng.canary.chain, *plan, eng.log.tensors(),
             *checks, True, *sample)
 
@@ -324,6 +339,19 @@ def test_plan_and_verify_without_a_library_fused_op_runs_plan_then_verify(monkey
     final = run_side_by_side(wl, {"library": LibraryEngine(wl, fused=False, sampler_period=2),
                                   "torch_ops": TorchEngine(wl, fused=True, sampler_period=2)})
     assert_faults_found(wl, final["torch_ops"]["log.ring"][: int(final["torch_ops"]["log.head"][0])])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["req_to_token", "block_table"])
+def test_plan_verify_write_op_eager_and_compiled_writes_the_bytes_of_the_library_op(paged):
+    """A step stamped before its forward (no fingerprints): the library's plan_verify_write,
+    the custom op, and the custom op in a fullgraph-compiled step."""
+    torch.compiler.reset()
+    wl = make_workload(8, paged=paged)
+    engines = {"library": LibraryEngine(wl, stamp=True), "eager": TorchEngine(wl, stamp=True),
+               "compiled": TorchEngine(wl, stamp=True, compiled=True)}
+    final = run_side_by_side(wl, engines)
+    assert_faults_found(wl, final["compiled"]["log.ring"][: int(final["compiled"]["log.head"][0])], real_kv=False)
+    assert engines["compiled"].log.counters()["slots_written"] == engines["library"].log.counters()["slots_written"] > 0
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["plan_and_verify", "plan+verify"])
@@ -381,13 +409,13 @@ def test_calling_the_ops_with_plain_tensors_matches_the_library():
     assert_faults_found(wl, plain["log.ring"][: int(plain["log.head"][0])].numpy())
 
 
-@pytest.mark.parametrize("op", ["plan", "verify", "write", "plan_and_verify"])
+@pytest.mark.parametrize("op", ["plan", "verify", "write", "plan_and_verify", "plan_verify_write"])
 def test_opcheck(op):
     """The registration: schema (what is declared mutated is all that changes), the fake
     implementation, autograd registration (a KV pool that requires grad is only read), and
     the op under AOT dispatch with dynamic shapes. All four default checks run."""
     wl = make_workload(5)
-    eng = TorchEngine(wl, sampler_period=3)
+    eng = TorchEngine(wl, sampler_period=3, stamp=op == "plan_verify_write")
     for s in wl.steps[:3]:
         eng.step(s)
     args = flat_args(eng, op)
@@ -405,10 +433,11 @@ def test_opcheck(op):
 def test_schemas_declare_exactly_what_each_op_writes():
     mutated = {op: sorted(a.name for a in getattr(torch.ops.kvcanary, op).default._schema.arguments
                           if a.alias_info is not None and a.alias_info.is_write)
-               for op in ("plan", "verify", "write", "plan_and_verify")}
+               for op in ("plan", "verify", "write", "plan_and_verify", "plan_verify_write")}
     assert mutated == {"plan": ["verify_plan", "write_plan"], "verify": ["log", "sample_state"],
                        "write": ["canary", "log"],
-                       "plan_and_verify": ["log", "sample_state", "verify_plan", "write_plan"]}
+                       "plan_and_verify": ["log", "sample_state", "verify_plan", "write_plan"],
+                       "plan_verify_write": ["canary", "log", "verify_plan", "write_plan"]}
     for op in mutated:
         assert not getattr(torch.ops.kvcanary, op).default._schema.returns
 
@@ -544,6 +573,14 @@ def test_misuse_raises_kvcanary_errors_naming_the_argument():
     with pytest.raises(ValueError, match=r"^kvcanary: log: expected the 3 tensors of a ViolationLog"):
         torch.ops.kvcanary.verify(canary.records, None, vp.tensors(), log.tensors()[:2], 1, [], [], 0, False,
                                   None, 1)
+    tokens = dict(input_ids=torch.tensor([5]), positions=torch.tensor([0]), out_cache_loc=torch.tensor([1]))
+    with pytest.raises(TypeError, match=r"^kvcanary: write_plan: expected a TorchWritePlan, got None"):
+        kt.plan_verify_write(vp, None, canary, **rows, req_to_token=table, **tokens, log=log, tag=1, write_tag=2)
+    with pytest.raises(TypeError, match=r"^kvcanary: write_tag: expected an integer"):
+        kt.plan_verify_write(vp, wp, canary, **rows, req_to_token=table, **tokens, log=log, tag=1, write_tag=2.0)
+    with pytest.raises(ValueError, match=r"^kvcanary: input_ids: plan_verify_write stamps at most 256 tokens"):
+        many = {k: v.repeat(257) for k, v in tokens.items()}
+        kt.plan_verify_write(vp, wp, canary, **rows, req_to_token=table, **many, log=log, tag=1, write_tag=2)
 
 
 def test_cache_finds_objects_by_tensor_identity_and_lets_go():

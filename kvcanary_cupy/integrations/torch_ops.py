@@ -9,11 +9,13 @@ mutating exactly the buffers it writes and returning nothing:
 - ``torch.ops.kvcanary.plan``: writes the verify and write plans;
 - ``torch.ops.kvcanary.verify``: writes the violation log (and a fingerprint sampler's state);
 - ``torch.ops.kvcanary.write``: writes the canary records and the violation log;
-- ``torch.ops.kvcanary.plan_and_verify``: writes both plans and the log (and the sampler).
+- ``torch.ops.kvcanary.plan_and_verify``: writes both plans and the log (and the sampler);
+- ``torch.ops.kvcanary.plan_verify_write``: writes both plans, the canary records and the log.
 
 Their arguments are tensors, lists of tensors, ints, bools and strings only: the library
 objects are flattened into their tensors at the boundary. The friendly way in is one level
-up: :func:`plan`, :func:`verify`, :func:`write` and :func:`plan_and_verify` here take the
+up: :func:`plan`, :func:`verify`, :func:`write`, :func:`plan_and_verify` and
+:func:`plan_verify_write` here take the
 keyword arguments of the library's ops, with the library objects replaced by their
 ``Torch*`` twins, frozen dataclasses that hold ``torch.Tensor`` s:
 
@@ -98,7 +100,7 @@ from kvcanary_cupy.format import RealKvMode
 __all__ = [
     "TorchCanaryBuffer", "TorchExpectedTokens", "TorchFingerprintSampler", "TorchRealKvSource", "TorchSwaWindow",
     "TorchVerifyPlan", "TorchViolationLog", "TorchWritePlan", "cache_info", "clear_cache", "plan",
-    "plan_and_verify", "verify", "write",
+    "plan_and_verify", "plan_verify_write", "verify", "write",
 ]
 
 _I64 = torch.int64
@@ -339,6 +341,10 @@ SCHEMAS = {
     "plan_and_verify": (f"plan_and_verify(Tensor(a!)[] verify_plan, Tensor(b!)[] write_plan, Tensor canary, "
                         f"str? chain, {_PLAN_ARGS}, Tensor(c!)[] log, {_CHECK_ARGS}, bool check_tokens, "
                         "Tensor(d!)? sample_state, int sample_period) -> ()"),
+    "plan_verify_write": (f"plan_verify_write(Tensor(a!)[] verify_plan, Tensor(b!)[] write_plan, "
+                          f"Tensor(c!) canary, str? chain, {_PLAN_ARGS}, Tensor input_ids, Tensor positions, "
+                          "Tensor out_cache_loc, Tensor? expected_input_ids, Tensor? expected_positions, "
+                          "Tensor(d!)[] log, int tag, int write_tag, bool check_tokens) -> ()"),
 }
 """The schema of each op: ``Tensor(x!)`` marks what it writes (``mutates_args``)."""
 
@@ -358,16 +364,22 @@ def _verify_impl(canary, chain, verify_plan, log, tag, real_kv, real_kv_layout, 
               sample=_sampler(sample_period, sample_state), stream=_stream(canary))
 
 
-def _write_impl(canary, chain, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_layout,
-                real_kv_mode, expected_input_ids, expected_positions) -> None:
+def _token_inputs(input_ids, positions, out_cache_loc, expected_input_ids, expected_positions) -> dict:
+    """A write's token inputs, as the library's ops take them."""
     expected_inputs = None
     if expected_input_ids is not None or expected_positions is not None:
         expected_inputs = (_view(expected_input_ids, "expected_input_ids"),
                            _view(expected_positions, "expected_positions"))
-    kc.write(_canary(canary, chain), _write_plan(write_plan), input_ids=_view(input_ids, "input_ids"),
-             positions=_view(positions, "positions"), out_cache_loc=_view(out_cache_loc, "out_cache_loc"),
+    return dict(input_ids=_view(input_ids, "input_ids"), positions=_view(positions, "positions"),
+                out_cache_loc=_view(out_cache_loc, "out_cache_loc"), expected_inputs=expected_inputs)
+
+
+def _write_impl(canary, chain, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_layout,
+                real_kv_mode, expected_input_ids, expected_positions) -> None:
+    kc.write(_canary(canary, chain), _write_plan(write_plan),
+             **_token_inputs(input_ids, positions, out_cache_loc, expected_input_ids, expected_positions),
              log=_log(log), tag=tag, real_kv=_sources(real_kv, real_kv_layout), real_kv_mode=real_kv_mode,
-             expected_inputs=expected_inputs, stream=_stream(canary))
+             stream=_stream(canary))
 
 
 def _library_plan_and_verify():
@@ -394,12 +406,26 @@ def _plan_and_verify_impl(verify_plan, write_plan, canary, chain, req_pool_indic
         kc.verify(cb, vp, **checks, stream=stream)
 
 
+def _plan_verify_write_impl(verify_plan, write_plan, canary, chain, req_pool_indices, prefix_lens, extend_lens,
+                            req_to_token, block_table, page_size, swa_size, swa_lut, expected_table,
+                            expected_valid_lens, expected_offset, input_ids, positions, out_cache_loc,
+                            expected_input_ids, expected_positions, log, tag, write_tag, check_tokens) -> None:
+    kc.plan_verify_write(_verify_plan(verify_plan), _write_plan(write_plan), _canary(canary, chain),
+                         **_plan_inputs(req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table,
+                                        page_size, swa_size, swa_lut, expected_table, expected_valid_lens,
+                                        expected_offset),
+                         **_token_inputs(input_ids, positions, out_cache_loc, expected_input_ids,
+                                         expected_positions),
+                         log=_log(log), tag=tag, write_tag=write_tag, check_tokens=check_tokens,
+                         stream=_stream(canary))
+
+
 def _no_result(*args, **kwargs) -> None:
     """The fake (meta) implementation: the ops only write into their arguments."""
 
 
 for _name, _impl in (("plan", _plan_impl), ("verify", _verify_impl), ("write", _write_impl),
-                     ("plan_and_verify", _plan_and_verify_impl)):
+                     ("plan_and_verify", _plan_and_verify_impl), ("plan_verify_write", _plan_verify_write_impl)):
     _LIB.define(SCHEMAS[_name])
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # every device: the library dispatches on it
     torch.library.register_fake(f"kvcanary::{_name}", _no_result, lib=_LIB)
@@ -922,6 +948,18 @@ def _plan_args(req_pool_indices, prefix_lens, extend_lens, req_to_token, block_t
             0 if expected is None else expected.offset]
 
 
+def _token_args(input_ids, positions, out_cache_loc, expected_inputs=None) -> list:
+    """A write's token tensors, then its expected ones (or None each)."""
+    exp_ids = exp_pos = None
+    if expected_inputs is not None:
+        if not isinstance(expected_inputs, (tuple, list)) or len(expected_inputs) != 2:
+            raise TypeError("kvcanary: expected_inputs: expected a pair (tokens, positions), either may be None")
+        exp_ids = _tensor(expected_inputs[0], "expected_inputs[0]", True)
+        exp_pos = _tensor(expected_inputs[1], "expected_inputs[1]", True)
+    return [_tensor(input_ids, "input_ids"), _tensor(positions, "positions"), _tensor(out_cache_loc, "out_cache_loc"),
+            exp_ids, exp_pos]
+
+
 def _check_args(tag, real_kv, real_kv_mode):
     if real_kv is None:
         real_kv = ()
@@ -1056,16 +1094,10 @@ def write(canary: TorchCanaryBuffer, write_plan: TorchWritePlan, *, input_ids, p
     lg = _holder(log, TorchViolationLog, "log")
     if wp is None:
         raise TypeError("kvcanary: write_plan: expected a TorchWritePlan, got None")
-    exp_ids = exp_pos = None
-    if expected_inputs is not None:
-        if not isinstance(expected_inputs, (tuple, list)) or len(expected_inputs) != 2:
-            raise TypeError("kvcanary: expected_inputs: expected a pair (tokens, positions), either may be None")
-        exp_ids = _tensor(expected_inputs[0], "expected_inputs[0]", True)
-        exp_pos = _tensor(expected_inputs[1], "expected_inputs[1]", True)
+    tokens = _token_args(input_ids, positions, out_cache_loc, expected_inputs)
     _run(torch.ops.kvcanary.write.default, stream,
-         [cb.records, cb.chain, wp.tensors(), _tensor(input_ids, "input_ids"), _tensor(positions, "positions"),
-          _tensor(out_cache_loc, "out_cache_loc"), lg.tensors(), *_check_args(tag, real_kv, real_kv_mode),
-          exp_ids, exp_pos])
+         [cb.records, cb.chain, wp.tensors(), *tokens[:3], lg.tensors(), *_check_args(tag, real_kv, real_kv_mode),
+          *tokens[3:]])
 
 
 def plan_and_verify(verify_plan: TorchVerifyPlan, write_plan: TorchWritePlan | None,
@@ -1115,3 +1147,52 @@ def plan_and_verify(verify_plan: TorchVerifyPlan, write_plan: TorchWritePlan | N
                       expected),
           lg.tensors(), *_check_args(tag, real_kv, real_kv_mode), _flag(check_tokens, "check_tokens"),
           *_sample_args(sample)])
+
+
+def plan_verify_write(verify_plan: TorchVerifyPlan, write_plan: TorchWritePlan, canary: TorchCanaryBuffer, *,
+                      req_pool_indices, prefix_lens, extend_lens, req_to_token=None, block_table=None,
+                      page_size: int | None = None, swa: TorchSwaWindow | None = None,
+                      expected: TorchExpectedTokens | None = None, input_ids, positions, out_cache_loc,
+                      expected_inputs=None, log: TorchViolationLog, tag: int, write_tag: int,
+                      check_tokens: bool = False, stream=None) -> None:
+    """A small step's plan, verify and write, through ``torch.ops.kvcanary.plan_verify_write``.
+
+    The library's one-launch :func:`kvcanary_cupy.plan_verify_write`: what
+    :func:`plan_and_verify` followed by :func:`write` leave (no real-KV fingerprints), for
+    an engine that has the step's token inputs before its forward. At most
+    ``kvcanary_cupy.STEP_WRITE_TOKENS`` (256) tokens; a larger step raises.
+
+    Args:
+        verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens,
+            req_to_token, block_table, page_size, swa, expected: as for :func:`plan`
+            (both plans are required).
+        canary, log, check_tokens: as for :func:`verify`; the canary's records are written.
+        input_ids, positions, out_cache_loc, expected_inputs: as for :func:`write`.
+        tag: the verify's rows' tag; ``write_tag``: the write's.
+        stream: as for :func:`plan`.
+
+    Example::
+
+        >>> canary, log = TorchCanaryBuffer.allocate(num_slots=8), TorchViolationLog.allocate(capacity=4)
+        >>> vp, wp = TorchVerifyPlan.allocate(capacity=8, max_batch=1), TorchWritePlan.allocate(max_batch=1)
+        >>> plan_verify_write(vp, wp, canary, req_pool_indices=torch.tensor([1]), prefix_lens=torch.tensor([0]),
+        ...                   extend_lens=torch.tensor([2]), req_to_token=torch.tensor([[0, 0], [5, 6]]),
+        ...                   input_ids=torch.tensor([7, 8]), positions=torch.tensor([0, 1]),
+        ...                   out_cache_loc=torch.tensor([5, 6]), log=log, tag=kc.LaunchTag.VERIFY,
+        ...                   write_tag=kc.LaunchTag.WRITE)
+        >>> canary.records[5:7, :2].tolist(), log.count
+        ([[7, 0], [8, 1]], 0)
+    """
+    vp = _holder(verify_plan, TorchVerifyPlan, "verify_plan")
+    wp = _holder(write_plan, TorchWritePlan, "write_plan")
+    cb = _holder(canary, TorchCanaryBuffer, "canary")
+    lg = _holder(log, TorchViolationLog, "log")
+    for given, name, cls in ((vp, "verify_plan", "TorchVerifyPlan"), (wp, "write_plan", "TorchWritePlan")):
+        if given is None:
+            raise TypeError(f"kvcanary: {name}: expected a {cls}, got None")
+    _run(torch.ops.kvcanary.plan_verify_write.default, stream,
+         [vp.tensors(), wp.tensors(), cb.records, cb.chain,
+          *_plan_args(req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table, page_size, swa,
+                      expected),
+          *_token_args(input_ids, positions, out_cache_loc, expected_inputs), lg.tensors(),
+          _int(tag, "tag"), _int(write_tag, "write_tag"), _flag(check_tokens, "check_tokens")])

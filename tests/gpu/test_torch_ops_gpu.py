@@ -60,10 +60,22 @@ def test_compiled_fullgraph_step_on_cuda_matches_the_library(cp, fused):
     assert_faults_found(wl, _rows(final["compiled"]))
 
 
-@pytest.mark.parametrize("op", ["plan", "verify", "write", "plan_and_verify"])
+def test_plan_verify_write_op_on_cuda_matches_the_library(cp):
+    """A step stamped before its forward: the library's plan_verify_write on CuPy arrays, the
+    custom op eager and in a fullgraph-compiled step."""
+    torch.compiler.reset()
+    wl = make_workload(16)
+    engines = {"library": LibraryEngine(wl, xp=cp, device="cuda", stamp=True),
+               "eager": TorchEngine(wl, device="cuda", stamp=True),
+               "compiled": TorchEngine(wl, device="cuda", stamp=True, compiled=True)}
+    final = run_side_by_side(wl, engines, rows_as_multiset=True)
+    assert_faults_found(wl, _rows(final["compiled"]), real_kv=False)
+
+
+@pytest.mark.parametrize("op", ["plan", "verify", "write", "plan_and_verify", "plan_verify_write"])
 def test_opcheck_on_cuda(op):
     wl = make_workload(13)
-    eng = TorchEngine(wl, device="cuda", sampler_period=3)
+    eng = TorchEngine(wl, device="cuda", sampler_period=3, stamp=op == "plan_verify_write")
     for s in wl.steps[:3]:
         eng.step(s)
     torch.library.opcheck(getattr(torch.ops.kvcanary, op).default, flat_args(eng, op))
