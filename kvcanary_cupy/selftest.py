@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .format import CHAINS, check_chain
+from .format import CHAINS, RealKvMode, check_chain
 from .monitor import KvCanaryWarning
 from .sim import FAULTS, PagedKvSim, SimConfig
 
@@ -103,10 +103,14 @@ def configs(device: str, seed: int) -> list[SimConfig]:
 
 
 def clean_configs(device: str, seed: int) -> list[SimConfig]:
-    """The clean run adds a third shape: 2-slot pages, a short window, odd chunks, sampled
-    fingerprints and the second verify after the write."""
-    return configs(device, seed) + [SimConfig(device=device, page_size=2, num_pages=160, swa_window=5, chunk=7,
-                                              sample_period=3, verify_after=True, seed=seed)]
+    """The clean run adds two shapes: 2-slot pages, a short window, odd chunks, sampled
+    fingerprints and the second verify after the write; and monitors that stamp a step's
+    records before its forward (no fingerprints, so the step is one launch per group)."""
+    return configs(device, seed) + [
+        SimConfig(device=device, page_size=2, num_pages=160, swa_window=5, chunk=7, sample_period=3,
+                  verify_after=True, seed=seed),
+        SimConfig(device=device, page_size=4, num_pages=80, real_kv_mode=RealKvMode.NONE, stamp_before_forward=True,
+                  seed=seed)]
 
 
 def chains_of(chain: str) -> tuple[str, ...]:

@@ -2,12 +2,14 @@
 by the detector it is tied to."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcanary_cupy import selftest
+from kvcanary_cupy import RealKvMode, selftest
 from kvcanary_cupy.sim import FAULTS, PagedKvSim, SimConfig
 from kvcanary_cupy.sim.allocator import FreeList
 from kvcanary_cupy.sim.model import KvPool, kv_bytes
@@ -172,6 +174,31 @@ def test_prefix_cache_match_and_chains():
     assert c.evictable() == [n2]
     c.remove(n2)
     assert c.evictable() == [n1] and c.paths() == [[n1]]
+
+
+@pytest.mark.parametrize("page_size,num_pages", [(1, 320), (4, 80)])
+def test_stamping_before_the_forward_leaves_what_stamping_after_it_does(page_size, num_pages):
+    """Twin engines without fingerprints, one whose monitors stamp in before_forward: by the
+    time the forward writes its K/V the step's records hold its tokens, and after every step
+    both leave the same records and statistics, silently."""
+    cfg = SimConfig(page_size=page_size, num_pages=num_pages, seed=5, real_kv_mode=RealKvMode.NONE)
+    after, before = PagedKvSim(cfg), PagedKvSim(dataclasses.replace(cfg, stamp_before_forward=True))
+    forward_write, seen = before.k.write, []
+
+    def forward(loc, ids, pos):  # the forward's K write, between before_forward and after_forward
+        seen.append(np.array_equal(before.monitor.canary.host_records()[loc, 0], ids))
+        forward_write(loc, ids, pos)
+
+    before.k.write = forward
+    for _ in range(120):
+        assert _violations([after.step()]) == [] and _violations([before.step()]) == []
+        for name, mon in after.monitors.items():
+            twin = before.monitors[name]
+            np.testing.assert_array_equal(mon.canary.host_records(), twin.canary.host_records())
+            assert mon.stats() == twin.stats()
+        np.testing.assert_array_equal(after.monitor.swa_canary.host_records(), before.monitor.swa_canary.host_records())
+    assert len(seen) == 120 and all(seen)
+    assert before.monitor.stats()["slots_written"] > 0 and before.stats_prefix_hits > 0
 
 
 def test_config_validation():

@@ -33,7 +33,8 @@ class SimConfig:
         vocab: token ids are drawn from [1, vocab).
 
     Monitor:
-        real_kv_mode, sample_period, sweep_budget, verify_after: passed to the monitors.
+        real_kv_mode, sample_period, sweep_budget, verify_after, stamp_before_forward:
+            passed to the monitors (stamping before the forward needs real_kv_mode NONE).
         chain: the monitors' chain kind, ``"scan"`` (default) or ``"sglang"``.
     """
 
@@ -60,6 +61,7 @@ class SimConfig:
     sample_period: int | None = None
     sweep_budget: int = 96
     verify_after: bool = False
+    stamp_before_forward: bool = False
     chain: str = DEFAULT_CHAIN
     seed: int = 0
 

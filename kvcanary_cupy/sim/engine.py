@@ -143,7 +143,8 @@ class PagedKvSim:
                        real_kv=(self.swa_kv.source(),)) if cfg.swa_window else None
         common = dict(num_slots=n_slots, max_batch=cfg.max_batch, device=dev, expected_tokens=self.expected.dev,
                       real_kv_mode=cfg.real_kv_mode, fingerprint_sample_period=cfg.sample_period,
-                      policy=lambda found: None, verify_after=cfg.verify_after, chain=cfg.chain, **tkw)
+                      policy=lambda found: None, verify_after=cfg.verify_after, chain=cfg.chain,
+                      stamp_before_forward=cfg.stamp_before_forward, **tkw)
         self.monitor = KvCanary(real_kv=(self.k.source(), self.v.source()), swa=swa, max_tokens=mt,
                                 sweep_budget=cfg.sweep_budget, **common)
         i = self.inp
@@ -335,12 +336,14 @@ class PagedKvSim:
         ids = [r.rid for r in batch]
 
         # --- forward: verify, model writes, stamp ----------------------------------------
-        self.monitor.before_forward(batch_size=bs, request_ids=ids)
+        # A monitor that stamps before the forward takes the step's tokens there.
+        stamp = cfg.stamp_before_forward
+        self.monitor.before_forward(batch_size=bs, request_ids=ids, **({"num_tokens": n} if stamp else {}))
         self.k.write(i["loc"][:n], i["ids"][:n], i["pos"][:n])
         self.v.write(i["loc"][:n], i["ids"][:n], i["pos"][:n])
         if self.swa_kv is not None:
             self.swa_kv.write(self.swa_of[i["loc"][:n]], i["ids"][:n], i["pos"][:n])
-        self.monitor.after_forward(num_tokens=n)
+        self.monitor.after_forward(**({} if stamp else {"num_tokens": n}))
         for h in list(self.hooks):
             if hasattr(h, "after_stamp"):
                 h.after_stamp(self, batch, spans)
@@ -365,9 +368,9 @@ class PagedKvSim:
                 if hasattr(h, "on_draft_inputs"):
                     h.on_draft_inputs(self, batch, spans)
             self._sync(("expected", "dids", "dpos", "dvlen"))
-            self.draft.before_forward(batch_size=bs, request_ids=ids)
+            self.draft.before_forward(batch_size=bs, request_ids=ids, **({"num_tokens": n} if stamp else {}))
             self.draft_kv.write(i["loc"][:n], i["dids"][:n], i["dpos"][:n])
-            self.draft.after_forward(num_tokens=n)
+            self.draft.after_forward(**({} if stamp else {"num_tokens": n}))
 
         # --- slide the window, finish -------------------------------------------------------
         if cfg.swa_window:
