@@ -2,13 +2,15 @@
 step another way.
 
 A step of at most 256 rows, none reading more than 8192 positions, whose entries fit
-the plan is planned without a grid-wide wait; any larger step goes through the rows,
-scan and fill phases. Each case here sits just inside or just outside one of those
-bounds (rows, positions per row, capacity) and must leave exactly what the NumPy
-reference leaves: plan arrays and scalars, the write plan, violation rows and
-counters. Rows that cannot be read (a bad table entry at a row's far end, seen by only
-one of the row's tiles; padding rows; a request out of range; empty prefixes) are
-mixed in, so a row's verdict must reach all of its entries.
+the plan (and 1Mi entries) is planned without a grid-wide wait, each warp on its own
+32 entries; any larger step goes through the rows, scan and fill phases. Each case here
+sits just inside or just outside one of those bounds (rows, positions per row,
+capacity) and must leave exactly what the NumPy reference leaves: plan arrays up to
+num_valid and scalars, the write plan, violation rows and counters. Rows that cannot be
+read (a bad table entry at a row's far end, seen by only one of the row's warps;
+padding rows; a request out of range; empty prefixes) are mixed in, with records that
+fail every check, so a row's verdict must reach all of its entries: none of them is
+reported or counted, and the entries of the rows after it move to their offsets.
 """
 from __future__ import annotations
 
