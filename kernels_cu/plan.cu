@@ -202,20 +202,12 @@ __device__ __forceinline__ i64 token_slot(const PlanArgs& a, i64 v) {
     return s < 0 ? -1 : s;
 }
 
-// The slots of a run of positions, kept by the caller: positions [keep_lo, keep_lo + keep_n)
-// store theirs in keep[pos - keep_lo] (keep_n 0: none).
-struct KeptSlots {
-    i64* keep;
-    i64 keep_lo, keep_n;
-};
-
 // row_readable for one table width and kind. The loads of a round are issued before any
 // is used, and nothing between them branches (NVCC would otherwise convert each int32
 // value, or divide by the page, right after its load and wait for it there: a round
 // trip per load instead of per round).
 template <typename T, bool kToken>
-__device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row, i64 lo, i64 P, i64* last,
-                                                KeptSlots kept) {
+__device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row, i64 lo, i64 P, i64* last) {
     constexpr int U = ROW_UNROLL * 4 / (int)sizeof(T);
     bool bad = false, has_last = false;
     i64 last_slot = -1;
@@ -237,8 +229,6 @@ __device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row,
                     has_last = true;
                     last_slot = s;
                 }
-                const i64 k = pos - kept.keep_lo;
-                if (k >= 0 && k < kept.keep_n) kept.keep[k] = s;
             }
         }
     }
@@ -247,19 +237,18 @@ __device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row,
 }
 
 // Whether every position in [lo, P) of request-table row rp has a readable slot, in
-// every thread; the thread that checks position P - 1 stores its slot (or -1) in *last,
-// and `kept` receives the slots of its positions. Every thread of the block must call it.
-__device__ __forceinline__ bool row_readable(const PlanArgs& a, i64 rp, i64 lo, i64 P, i64* last,
-                                             KeptSlots kept = KeptSlots{nullptr, 0, 0}) {
+// every thread; the thread that checks position P - 1 stores its slot (or -1) in *last.
+// Every thread of the block must call it.
+__device__ __forceinline__ bool row_readable(const PlanArgs& a, i64 rp, i64 lo, i64 P, i64* last) {
     const i64 base = rp * a.twidth;
     if (width_bit(a.widths, W_TABLE)) {
         const i64* row = (const i64*)a.table + base;
-        return a.page == 1 ? row_readable_in<i64, true>(a, row, lo, P, last, kept)
-                           : row_readable_in<i64, false>(a, row, lo, P, last, kept);
+        return a.page == 1 ? row_readable_in<i64, true>(a, row, lo, P, last)
+                           : row_readable_in<i64, false>(a, row, lo, P, last);
     }
     const int* row = (const int*)a.table + base;
-    return a.page == 1 ? row_readable_in<int, true>(a, row, lo, P, last, kept)
-                       : row_readable_in<int, false>(a, row, lo, P, last, kept);
+    return a.page == 1 ? row_readable_in<int, true>(a, row, lo, P, last)
+                       : row_readable_in<int, false>(a, row, lo, P, last);
 }
 
 // Row r (thread 0 gets the results): validity, and the counts and seed it stores.
@@ -412,20 +401,14 @@ __device__ __forceinline__ bool entry_check(const CheckArgs& c, bool act, i64 sl
     return chk;
 }
 
-// Appends an entry's violation row, if it failed (every lane of the warp calls it).
-__device__ __forceinline__ void append_entry(const CheckArgs& c, bool has, const EntryCheck& x, i64 row, i64 slot,
-                                             i64 epos, i64 etok) {
-    append_violation(c.ring, c.head, c.ring_capacity, has && x.bits != 0, c.tag, slot, x.pos, x.tok, etok, x.link,
-                     x.elink, x.bits, row, epos);
-}
-
 // entry_check, then its violation row.
 template <bool kFp, bool kScan>
 __device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 row, i64 slot, i64 prev, i64 epos,
                                             i64 etok, int g, i64 phase, i64& checked) {
     EntryCheck x;
     entry_check<kFp, kScan>(c, act, slot, prev, epos, etok, g, phase, checked, x);
-    append_entry(c, true, x, row, slot, epos, etok);
+    append_violation(c.ring, c.head, c.ring_capacity, x.bits != 0, c.tag, slot, x.pos, x.tok, etok, x.link, x.elink,
+                     x.bits, row, epos);
 }
 
 // The verify entries, each warp a contiguous run of them, 32 at a time. Offsets
