@@ -144,18 +144,29 @@ __device__ __forceinline__ u64 first_link() {
 }
 
 // --- the check of one record ------------------------------------------------------
+// The link a checked entry's predecessor's successor stores, for an entry that has a
+// predecessor (prev > 0): from the predecessor's record, which is the lane `delta` below's
+// when prev_below (its fields come over shuffles) and `pr` otherwise. The inputs are
+// chosen before the one link is computed: a warp computes a link once, not once for its
+// lanes and again for those whose predecessor is not below. Every lane must call it.
+template <bool kScan>
+__device__ __forceinline__ u64 predecessor_link(const Record& r, const Record& pr, bool prev_below, unsigned delta) {
+    const i64 tok = __shfl_up_sync(FULL_MASK, r.token, delta);
+    const i64 pos = __shfl_up_sync(FULL_MASK, r.position, delta);
+    const u64 link = __shfl_up_sync(FULL_MASK, r.link, delta);
+    return advance<kScan>(prev_below ? link : pr.link, prev_below ? tok : pr.token, prev_below ? pos : pr.position);
+}
+
 // The reasons a readable entry's record `r` fails, and the link it should hold (elink):
 // the first link when it has no predecessor (prev -1), its own when the predecessor is
-// the padding slot (prev 0: the chain is not checked), else the predecessor's successor
-// link, taken from `link_below` when the lane below holds the predecessor (prev_below)
-// and from its record `pr` otherwise. Shared by verify and plan_and_verify.
+// the padding slot (prev 0: the chain is not checked), else `plink`, its predecessor's
+// successor link (predecessor_link). Shared by verify and plan_and_verify.
 template <bool kScan>
-__device__ __forceinline__ i64 record_failures(const Record& r, const Record& pr, i64 prev, bool prev_below,
-                                               u64 link_below, i64 epos, i64 etok, bool check_tokens, bool fp_sel,
-                                               u64 fp, u64& elink) {
+__device__ __forceinline__ i64 record_failures(const Record& r, i64 prev, u64 plink, i64 epos, i64 etok,
+                                               bool check_tokens, bool fp_sel, u64 fp, u64& elink) {
     if (prev == -1) elink = first_link<kScan>();
     else if (prev == 0) elink = r.link;
-    else elink = prev_below ? link_below : next_link<kScan>(pr);
+    else elink = plink;
     i64 bits = 0;
     if (r.link != elink) bits |= FAIL_CHAIN;
     if (r.position != epos) bits |= FAIL_POSITION;

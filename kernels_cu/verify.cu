@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
             r = load_record(a.records, slot);
             if (prev > 0 && !prev_below) pr = load_record(a.records, prev);
         }
-        const u64 link_below = __shfl_up_sync(FULL_MASK, next_link<kScan>(r), g);
+        const u64 plink = predecessor_link<kScan>(r, pr, prev_below, g);
         u64 fp = 0;
         if (kFp) fp = fingerprint(a.folds, a.num_folds, slot, fp_sel, g);
 
@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
             if (oor) {
                 bits = FAIL_SLOT_OUT_OF_RANGE;
             } else {
-                bits = record_failures<kScan>(r, pr, prev, prev_below, link_below, epos, etok, a.check_tokens != 0, fp_sel, fp,
-                                              elink);
+                bits = record_failures<kScan>(r, prev, plink, epos, etok, a.check_tokens != 0, fp_sel, fp, elink);
                 pos = r.position;
                 tok = r.token;
                 link = r.link;
