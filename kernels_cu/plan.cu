@@ -587,7 +587,7 @@ __device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, Small
 
 // The row of tile k (< s.tiles): the first whose tile count so far exceeds k. One vote
 // of the warp finds its group of 8 rows, a binary search the row within: 4 dependent
-// steps where a search of all 256 takes 8, and a row's tiles pay it once per tile.
+// steps where a search of all 256 takes 8, in a loop that runs it once per tile.
 // Every lane must call it; bs <= SMALL_ROWS = 32 x 8, and tile counts fit int (< 2**15).
 __device__ __forceinline__ int small_tile_row(const SmallRows& s, int bs, int k) {
     const int lane = (int)lane_id(), last = bs - 1;
