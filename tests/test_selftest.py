@@ -185,11 +185,11 @@ def test_selftest_on_cuda():
 @pytest.mark.slow
 def test_default_selftest_meets_its_bar():
     """The shipped defaults: per chain kind (both) >= 2,000 clean steps, 20 injections per class, all
-    caught, silent; < 60 s in all."""
+    caught, silent. How long it took is in the report and printed by the CLI, not asserted here:
+    a wall-clock bound fails on a loaded machine."""
     report = selftest.run(backend="numpy", progress=lambda s: None)
     assert report["ok"], selftest.format_table(report)
     assert list(report["chains"]) == ["scan", "sglang"]
     for r in report["chains"].values():
         assert r["clean"]["steps"] >= 2000 and r["clean"]["violations"] == 0
         assert all(c["injected"] == c["detected"] == 20 for c in r["classes"])
-    assert report["seconds"] < 60
