@@ -345,6 +345,8 @@ def _host_lines(results) -> list[str]:
                  _f(hb.get("step_us"), 1)])
     rows.append(["step: plan_and_verify + write", _f(host.get("fused_step_us"), 2), xb(host.get("fused_step_us")),
                  "-"])
+    rows.append(["step: plan_and_verify + write, prepared once (`kc.prepare`)", _f(host.get("prepared_step_us"), 2),
+                 xb(host.get("prepared_step_us")), "-"])
     if host.get("graph_error"):
         rows.append(["graph replay of a step", f"error: {host['graph_error']}", "-", "-"])
     else:
@@ -366,7 +368,8 @@ def _monitor_host_lines(mh: dict) -> list[str]:
     replay = (f"error: {mh['graph_error']}" if mh.get("graph_error") else
               f"{_f(mh.get('graph_replay_host_us'), 2)} us (its device time {_f(mh.get('graph_replay_device_us'))} us)")
     return [f"Monitor step `{mh.get('case', '?')}`, CPU us (median of {mh.get('calls', '?')} steps, bound buffers): "
-            f"eager `before_forward` + `after_forward` {_f(mh.get('eager_step_us'), 2)} us; a CUDA graph replay's "
+            f"eager `before_forward` + `after_forward` {_f(mh.get('eager_step_us'), 2)} us (stamping before the "
+            f"forward, one launch: {_f(mh.get('stamped_eager_step_us'), 2)} us); a CUDA graph replay's "
             f"launch call {replay}.", ""]
 
 

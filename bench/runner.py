@@ -16,9 +16,11 @@ Results dict::
     gather [{entries, pool_slots, slot_bytes, order (random | sorted), bytes, time_us, runs,
             bandwidth_bytes_per_s}]
     host   bare_launch_us, bare_launch_args_us, plan_us, verify_us, plan_and_verify_us, write_us,
-           step_us, fused_step_us (plan_and_verify + write), step_device_us, graph_replay_host_us,
+           step_us, fused_step_us (plan_and_verify + write), prepared_step_us (the same two ops
+           prepared once, kc.prepare), step_device_us, graph_replay_host_us,
            graph_replay_device_us, baseline {plan_us, verify_us, write_us, step_us}
-    monitor_host  case, batch, prefix, calls, eager_step_us, graph_replay_host_us, graph_replay_device_us
+    monitor_host  case, batch, prefix, calls, eager_step_us, stamped_eager_step_us (a monitor that
+                  stamps before the forward: one launch), graph_replay_host_us, graph_replay_device_us
                   (or graph_error) | {case, error}
     cases  [{name, group, batch, prefix, extend, window, mode, chain, check_tokens, kv_layers, pool_label,
              entries, tokens, sets, set_bytes, l2_flush, pool_slots, timed_ops,
@@ -182,6 +184,11 @@ class Runner:
         out["step_us"] = median(timer.host(step, calls=H))
         out["sum_us"] = out["plan_us"] + out["verify_us"] + out["write_us"]
         self._fused_host(out, calls, H)
+        try:
+            prepared = workloads.prepared_step(inst, canary, log, stream=self._stream())
+            out["prepared_step_us"] = median(timer.host(prepared, calls=H))
+        except Exception as e:  # noqa: BLE001
+            out["prepared_step_error"] = _short(e)
         out["step_device_us"] = timer.device(lambda _i: step(), runs=s.runs, warmup=3).device_us
         try:
             replay = p.capture(step)
@@ -347,6 +354,9 @@ class Runner:
                 self.monitor_host = monitor_steps.host_figures(setup, hosts[0].batch, timer=p.timer, calls=s.host_calls,
                                                                runs=s.runs, capture=p.capture)
                 self.monitor_host["case"] = hosts[0].name
+                if stamped is not None:
+                    self.monitor_host["stamped_eager_step_us"] = median(p.timer.host(stamped.step(hosts[0].batch),
+                                                                                     calls=s.host_calls))
                 self.say(f"[bench] monitor host: eager step {self.monitor_host['eager_step_us']:.1f} us")
             except Exception as e:  # noqa: BLE001
                 self.monitor_host = {"error": _short(e), "traceback": _err(e), "case": hosts[0].name}

@@ -171,6 +171,9 @@ def _host(rows: _Rows, host: dict) -> None:
     err = host.get("error")
     rows.add("5", "monitor host per eager step", case, None if err else host.get("eager_step_us"),
              MONITOR_HOST_LIMIT_US, detail=f"error: {err}" if err else "bound buffers, CPU us per step")
+    if host.get("stamped_eager_step_us") is not None:
+        rows.add("5", "monitor host per eager step, stamped before the forward", case,
+                 host["stamped_eager_step_us"], MONITOR_HOST_LIMIT_US, detail="bound buffers, one launch")
     gerr = err or host.get("graph_error")
     rows.add("5", "graph replay's launch call", case, None if gerr else host.get("graph_replay_host_us"),
              GRAPH_LAUNCH_LIMIT_US, detail=f"error: {gerr}" if gerr else "a captured monitor step, CPU us")

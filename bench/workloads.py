@@ -183,6 +183,24 @@ def op_calls(inst: Instance, canary: CanaryBuffer, log, *, sources=(), mode=Real
     return {"plan": plan, "verify": verify, "plan_and_verify": plan_and_verify, "write": write}
 
 
+def prepared_step(inst: Instance, canary: CanaryBuffer, log, *, sources=(), mode=RealKvMode.NONE, stream=None):
+    """A zero-argument step of ``inst``: plan_and_verify + write prepared once (``kc.prepare``),
+    so each call costs the two launches alone."""
+    launches = (
+        kc.prepare(kc.plan_and_verify, inst.vp, inst.wp, canary, req_pool_indices=inst.req_pool_indices,
+                   prefix_lens=inst.prefix_lens, extend_lens=inst.extend_lens, req_to_token=inst.table, swa=inst.swa,
+                   log=log, tag=LaunchTag.VERIFY, real_kv=sources, real_kv_mode=mode, stream=stream),
+        kc.prepare(kc.write, canary, inst.wp, input_ids=inst.input_ids, positions=inst.positions,
+                   out_cache_loc=inst.out_cache_loc, log=log, tag=LaunchTag.WRITE, real_kv=sources,
+                   real_kv_mode=mode, stream=stream))
+
+    def step():
+        for launch in launches:
+            launch(stream)
+
+    return step
+
+
 # --- the same step through the PyTorch baseline --------------------------------------
 @dataclass(eq=False)
 class TorchInstance:

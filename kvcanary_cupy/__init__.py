@@ -14,7 +14,8 @@ from .canary import CanaryBuffer, RealKvSource
 from .digest import Digest, DigestRow, RankCompare
 from .format import (ANCHOR, ANCHOR_HASH, P61, SCAN_ANCHOR, SCAN_MUL, FailReason, LaunchTag, RealKvMode,
                      chain_links, make_records, mix3, next_link, scan_term, splitmix64)
-from .ops import plan, plan_and_verify, plan_verify_write, scatter_expected_tokens, verify, write
+from .ops import (PreparedOp, Recording, plan, plan_and_verify, plan_verify_write, prepare, scatter_expected_tokens,
+                  verify, write)
 from .plans import ExpectedTokens, FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
 from .transfer import export_records, import_records
 from .violations import Violation, ViolationLog
@@ -23,9 +24,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ANCHOR", "ANCHOR_HASH", "P61", "SCAN_ANCHOR", "SCAN_MUL", "CanaryBuffer", "Digest", "DigestRow", "ExpectedTokens", "FailReason",
-    "FingerprintSampler", "LaunchTag", "RankCompare", "RealKvMode", "RealKvSource", "SwaWindow", "VerifyPlan",
+    "FingerprintSampler", "LaunchTag", "PreparedOp", "RankCompare", "Recording", "RealKvMode", "RealKvSource", "SwaWindow", "VerifyPlan",
     "Violation", "ViolationLog", "WritePlan", "as_view", "chain_links", "export_records", "import_records",
-    "make_records", "mix3", "next_link", "plan", "plan_and_verify", "plan_verify_write", "scan_term", "scatter_expected_tokens",
+    "make_records", "mix3", "next_link", "plan", "plan_and_verify", "plan_verify_write", "prepare", "scan_term", "scatter_expected_tokens",
     "splitmix64", "verify", "write",
 ]
 

@@ -80,7 +80,11 @@ class _Call:
 
 def _run(cache: LaunchCache, key, keep, prepare, args, stream) -> None:
     """Run the call ``cache`` keeps under ``key``, else ``prepare(args, stream)``, kept
-    (with ``keep``: every object whose id is in ``key``) when its arguments are native."""
+    (with ``keep``: every object whose id is in ``key``) when its arguments are native.
+    A :class:`Recording` stream also hands the call to its recording."""
+    rec = None
+    if type(stream) is Recording:
+        rec, stream = stream, stream.stream
     try:
         call = cache.get(key)
     except TypeError:  # an unhashable scalar argument: validation refuses it below
@@ -89,7 +93,90 @@ def _run(cache: LaunchCache, key, keep, prepare, args, stream) -> None:
         call = prepare(args, stream)
         if call.native:
             cache.keep(key, keep, call)
-    call.run(stream)
+    if rec is None:
+        call.run(stream)
+        return
+    if rec.run:
+        call.run(stream)
+    rec.ops.append(PreparedOp(call, keep))
+
+
+class PreparedOp:
+    """An op call validated and laid out once: calling it launches the op again with the
+    same arguments, and does nothing else (no validation, no lookup).
+
+    Made by :func:`prepare`. Its arrays are read in place at every launch, as by a
+    CUDA graph: refill them in place between launches, and keep their shapes and
+    dtypes (a changed shape needs a new ``prepare``). It holds every object it was
+    prepared with, so none goes away while it can launch.
+    """
+
+    __slots__ = ("_call", "_keep")
+
+    def __init__(self, call: _Call, keep: tuple):
+        self._call, self._keep = call, keep
+
+    def __call__(self, stream=None) -> None:
+        """Launch on ``stream`` (default: as the op's own default, see :func:`prepare`)."""
+        self._call.run(stream)
+
+
+class Recording:
+    """A stream argument that also records: an op called with ``stream=Recording(s)``
+    runs on ``s`` as usual (or, with ``run=False``, only validates and lays out its
+    launch) and appends its :class:`PreparedOp` to ``ops``.
+
+    A caller that makes the same calls step after step (the monitor, an engine's own
+    step function) records them once and then launches ``ops`` directly.
+    """
+
+    __slots__ = ("stream", "run", "ops")
+
+    def __init__(self, stream=None, *, run: bool = True):
+        self.stream, self.run, self.ops = stream, run, []
+
+
+def prepare(op, *args, stream=None, **kwargs) -> PreparedOp:
+    """Validate an op's call once and return it ready to launch, for a step that repeats.
+
+    Args:
+        op: one of :func:`plan`, :func:`verify`, :func:`write`, :func:`plan_and_verify`,
+            :func:`plan_verify_write`, :func:`scatter_expected_tokens`.
+        *args, **kwargs: that op's arguments, but ``stream``.
+        stream: the stream the preparation itself may use (e.g. to zero a plan's launch
+            state, once); each launch takes its own.
+
+    Returns:
+        a :class:`PreparedOp`: ``prepared(stream=None)`` launches the op with these
+        arguments, read in place (refill them between launches, as for a CUDA graph).
+        Calling ``op(...)`` again with the same arrays costs a lookup of its memo
+        besides the launch; a prepared op costs the launch alone.
+
+    Example::
+
+        >>> import numpy as np, kvcanary_cupy as kc
+        >>> canary, wp = kc.CanaryBuffer.allocate(num_slots=32), kc.WritePlan.allocate(max_batch=1)
+        >>> log = kc.ViolationLog.allocate(capacity=4)
+        >>> table = np.arange(32, dtype=np.int32).reshape(2, 16)  # row 1 lives in slots 16..31
+        >>> rpi, pre, ext = np.array([1]), np.array([0]), np.array([1])
+        >>> ids, pos, loc = np.array([7]), np.array([0]), np.array([16])
+        >>> steps = [kc.prepare(kc.plan, None, wp, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext,
+        ...                     req_to_token=table),
+        ...          kc.prepare(kc.write, canary, wp, input_ids=ids, positions=pos, out_cache_loc=loc, log=log,
+        ...                     tag=kc.LaunchTag.WRITE)]
+        >>> for launch in steps: launch()
+        >>> pre[0], ids[0], pos[0], loc[0] = 1, 8, 1, 17  # the next decode step, refilled in place
+        >>> for launch in steps: launch()
+        >>> canary.records[16:18, :2].tolist(), log.count  # chained from slot 16's record
+        ([[7, 0], [8, 1]], 0)
+    """
+    if op not in _PREPARABLE:
+        raise TypeError(f"kvcanary: op: expected one of {', '.join(f.__name__ for f in _PREPARABLE)}, got {op!r}")
+    if isinstance(stream, Recording):
+        raise TypeError("kvcanary: stream: expected a CUDA stream, a raw pointer or None, got a Recording")
+    rec = Recording(stream, run=False)
+    op(*args, stream=rec, **kwargs)
+    return rec.ops[0]
 
 
 _UNCACHED = LaunchCache(capacity=0)  # for owners of the wrong type: validation then raises
@@ -628,3 +715,6 @@ def _prepare_scatter(args, stream) -> _Call:
     return _Call(backend_for(device).prepare_scatter, device, (t,),
                  dict(tokens=tok, offsets=off, req_pool_indices=rpi),
                  stream, given=(table, tokens, offsets, req_pool_indices), views=(t, tok, off, rpi))
+
+
+_PREPARABLE = (plan, verify, write, plan_and_verify, plan_verify_write, scatter_expected_tokens)

@@ -216,13 +216,14 @@ def test_before_forward_leaves_what_plan_then_verify_leave(xp, device, chain_kin
         assert mon.log.counters()["verifies_skipped"] > 0
 
 
-def spy(monkeypatch, name):
-    """Count the calls of the op ``name`` (by the canary, or the plan, it was handed)."""
+def spy(monkeypatch, name, canary_at=0):
+    """Count the calls of the op ``name`` (by its first argument, the canary or a plan; or by the
+    argument at ``canary_at``)."""
     calls = []
     real = getattr(ops, name)
 
     def counted(*a, **k):
-        calls.append(a[0])
+        calls.append(a[canary_at])
         return real(*a, **k)
     monkeypatch.setattr(ops, name, counted)
     return calls
@@ -377,6 +378,76 @@ def test_a_bound_step_that_overflows_grows_its_plan(xp, device):
             found += drain(mon, xp)
     assert mon.verify_plan.capacity >= 8
     assert any(v.slot == 70 and v.request == "a" for v in found)
+
+
+@pytest.mark.parametrize("stamp", [False, True], ids=["after", "stamped"])
+@pytest.mark.parametrize("swa", [None, "bound", "translated"])
+def test_bound_steps_launch_their_ops_once_recorded_and_leave_what_passed_arrays_leave(
+        xp, device, chain_kind, monkeypatch, stamp, swa):
+    """A bound step of a shape seen before launches the ops it recorded the first time (no op
+    is called again), and leaves byte for byte what the same steps passed as arrays leave."""
+    h_table, h_exp = layout()
+    lut = xp.asarray(((np.arange(NUM_SLOTS) + 3) % (NUM_SLOTS + 4)).astype(np.int32))
+
+    def monitor():
+        group = None if swa is None else SwaGroup(window=4, lut=lut, num_slots=NUM_SLOTS + 4)
+        return kc.KvCanary(num_slots=NUM_SLOTS, req_to_token=xp.asarray(h_table), max_batch=2, device=device,
+                           expected_tokens=xp.asarray(h_exp), verify_capacity="max", swa=group, chain=chain_kind,
+                           stamp_before_forward=stamp, policy=lambda found: None)
+    bound, given = monitor(), monitor()
+    bufs = {n: xp.zeros(2 if n in ("rpi", "pre", "ext") else 8, xp.int64)
+            for n in ("rpi", "pre", "ext", "ids", "pos", "loc", "swa")}
+    bound.bind_inputs(req_pool_indices=bufs["rpi"], prefix_lens=bufs["pre"], extend_lens=bufs["ext"],
+                      input_ids=bufs["ids"], positions=bufs["pos"], out_cache_loc=bufs["loc"],
+                      swa_out_cache_loc=bufs["swa"] if swa == "bound" else None)
+    calls = {n: spy(monkeypatch, n, canary_at=0 if n == "write" else 2)
+             for n in ("plan_and_verify", "plan_verify_write", "write")}
+    P = {r: 0 for r in range(ROWS)}
+    shapes = []
+    for k, (rows, ext) in enumerate((([1, 2], [3, 2]), ([1, 2], [1, 1]), ([1, 2], [1, 1]), ([2], [1]),
+                                     ([1, 2], [1, 1]), ([2], [1]), ([1, 2], [1, 1]), ([1, 2], [1, 1]))):
+        if k == 5:  # a stray write into both canaries: every later step reports it
+            for mon in (bound, given):
+                mon.canary.records[int(h_table[1, 1]), 0] += 1
+        if k == 6:
+            bound.table[2, 0] = given.table[2, 0] = int(h_table[1, 2])  # a repointed entry, in both tables
+        pre = [P[r] for r in rows]
+        bs, n = fill(xp, bufs, h_table, rows, P, ext)
+        if swa == "bound":
+            bufs["swa"][:n] = lut[bufs["loc"][:n]]
+        shapes.append((bs, n))
+        arrays = [xp.asarray(np.array(a, np.int64)) for a in (rows, pre, ext)]
+        writes = [bufs[k][:n].copy() for k in ("ids", "pos", "loc")]
+        swa_loc = dict(swa_out_cache_loc=bufs["swa"][:n].copy()) if swa == "bound" else {}
+        if stamp:
+            bound.before_forward(batch_size=bs, num_tokens=n)
+            bound.after_forward()
+            given.before_forward(*arrays, **dict(zip(("input_ids", "positions", "out_cache_loc"), writes)),
+                                 **swa_loc)
+            given.after_forward()
+        else:
+            bound.before_forward(batch_size=bs)
+            bound.after_forward(num_tokens=n)
+            given.before_forward(*arrays)
+            given.after_forward(*writes, **swa_loc)
+    np.testing.assert_array_equal(bound.canary.host_records(), given.canary.host_records())
+    if swa is not None:
+        np.testing.assert_array_equal(bound.swa_canary.host_records(), given.swa_canary.host_records())
+    assert rows_of(bound.log) == rows_of(given.log) and given.log.count > 0
+    assert bound.log.counters() == given.log.counters()
+    # The given monitor called the ops every step; the bound one only on the first step of each shape:
+    # a batch size before the forward (with its token count, stamped), a token count after it. A step
+    # that translates SWA slots does more than ops where it writes: that part calls its ops every step.
+    fused = "plan_verify_write" if stamp else "plan_and_verify"
+    every = len(shapes)
+    before = every if stamp and swa == "translated" else len(set(shapes)) if stamp else len({b for b, _ in shapes})
+    after = every if swa == "translated" else len({n for _, n in shapes})
+    assert calls[fused].count(given.canary) == every and calls[fused].count(bound.canary) == before
+    if not stamp:
+        assert calls["write"].count(given.canary) == every and calls["write"].count(bound.canary) == after
+    if swa is not None:  # the SWA group's write is in its fused launch (stamped, bound slots) or apart
+        swa_calls = calls[fused] if stamp and swa == "bound" else calls["write"]
+        assert swa_calls.count(bound.swa_canary) == (before if stamp else after)
 
 
 def test_unnamed_steps_map_to_no_request_around_named_ones(xp, device):

@@ -491,6 +491,7 @@ class KvCanary:
             step = self._before_steps.get(key)
             if step is None:
                 step = self._before_step(None, None, None, batch_size, None, expected)
+                step.launches = StepCache(capacity=8)  # kept: what it records, for a few stamps
                 self._before_steps.put(key, step)
         if step is None:
             step = self._before_step(req_pool_indices, prefix_lens, extend_lens, batch_size, expected_valid_lens,
@@ -515,6 +516,38 @@ class KvCanary:
         if step.valid_lens is not None:
             self._fill_valid_lens(step, ptr)
         repair = self._cpu and self.grow_on_overflow  # on a GPU: at the next poll
+        kept = step.launches is not None and (stamp is None or stamp.kept)
+        recorded = step.launches.get(stamp) if kept else None
+        if recorded is not None:
+            for g, vp in recorded[0]:
+                if g.vp is not vp:  # grown since: record the step again
+                    recorded = None
+                    break
+        if recorded is not None:
+            for launch in recorded[1]:
+                launch(ptr)
+        else:
+            rec = None
+            if kept and self._recordable(stamp, repair):
+                rec = ops.Recording(ptr)
+            self._check_step(step, stamp, ptr, ptr if rec is None else rec, repair)
+            if rec is not None:
+                step.launches.put(stamp, (tuple((g, g.vp) for g in self.groups), tuple(rec.ops)))
+        if not capturing:
+            self._steps += 1
+        self._step_open = (ptr, step.check_tokens)
+
+    def _recordable(self, stamp: AfterStep | None, repair: bool) -> bool:
+        """Whether a kept step's launches are the same op calls every time (then they are
+        recorded once and launched directly): not when a group's plan is repaired on the
+        host, nor when the step's work includes more than ops (the entries' digest after
+        a plan, the SWA translation of the stamped slots)."""
+        return (not self.verify_after and not (repair and any(g.may_overflow for g in self.groups))
+                and (stamp is None or not stamp.translate))
+
+    def _check_step(self, step: BeforeStep, stamp: AfterStep | None, ptr, s, repair: bool) -> None:
+        """Each group's plan and verify (and, stamped, the step's writes), the ops on stream ``s``
+        (``ptr``, or a :class:`~kvcanary_cupy.ops.Recording` on it)."""
         stamped = set()  # groups whose write ran in their check's launch
         for i, (g, args, verify_args, (rpi, pre, ext, r2t, bt, ps, swa, exp, log, tag, srcs, mode, check,
                                        sample)) in enumerate(step.groups):
@@ -525,12 +558,13 @@ class KvCanary:
                                       req_to_token=r2t, block_table=bt, page_size=ps, swa=swa, expected=exp,
                                       input_ids=stamp.ids, positions=stamp.pos, out_cache_loc=loc,
                                       expected_inputs=exp_in, log=log, tag=tag, write_tag=write_tag,
-                                      check_tokens=check, stream=ptr)
+                                      check_tokens=check, stream=s)
                 stamped.add(i)
                 continue
             if self.verify_after or (repair and g.may_overflow):
                 # The verify after the write reads the entries again, and on the CPU a plan that
                 # overflows is grown and planned again before its verify: plan and verify apart.
+                # (Never recorded: see _recordable.)
                 grown = g.plan(args, repair=repair and g.may_overflow, stream=ptr)
                 if grown is not None:
                     self._reporter.repaired(g.name, *grown)
@@ -542,12 +576,9 @@ class KvCanary:
             ops.plan_and_verify(g.vp, g.wp, g.canary, req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext,
                                 req_to_token=r2t, block_table=bt, page_size=ps, swa=swa, expected=exp, log=log,
                                 tag=tag, real_kv=srcs, real_kv_mode=mode, check_tokens=check, sample=sample,
-                                digest=g.entry_digest, stream=ptr)
+                                digest=g.entry_digest, stream=s)
         if stamp is not None and len(stamped) < len(step.groups):
-            self._write_step(stamp, ptr, skip=stamped)
-        if not capturing:
-            self._steps += 1
-        self._step_open = (ptr, step.check_tokens)
+            self._write_step(stamp, ptr, skip=stamped, stream=s)
 
     def _before_step(self, req_pool_indices, prefix_lens, extend_lens, batch_size, expected_valid_lens,
                      expected) -> BeforeStep:
@@ -678,7 +709,17 @@ class KvCanary:
                                     expected_input_ids, expected_positions)
         ptr = self._inputs.stream(stream, step.objs) if stream is not None or step.given else ptr0
         self._step_open = None
-        self._write_step(step, ptr)
+        if step.launches is not None:
+            for launch in step.launches:
+                launch(ptr)
+        elif step.kept and not step.translate and self._agreement is None:
+            # The same writes every time (the agreement's digest and the SWA translation are
+            # more than ops): recorded once, then launched directly.
+            rec = ops.Recording(ptr)
+            self._write_step(step, ptr, stream=rec)
+            step.launches = tuple(rec.ops)
+        else:
+            self._write_step(step, ptr)
         if self.verify_after:
             for g in self.groups:
                 ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_after, real_kv=g.sources,
@@ -695,13 +736,16 @@ class KvCanary:
             step = self._after_steps.get(num_tokens)
             if step is None:
                 step = self._after_step(None, None, None, num_tokens, None, None, None)
+                step.kept = True
                 self._after_steps.put(num_tokens, step)
             return step
         return self._after_step(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
                                 expected_input_ids, expected_positions)
 
-    def _write_step(self, step: AfterStep, ptr, skip=()) -> None:
-        """Each group's write (but the groups in ``skip``), the agreement's digest in the last."""
+    def _write_step(self, step: AfterStep, ptr, skip=(), stream=None) -> None:
+        """Each group's write (but the groups in ``skip``), the agreement's digest in the last;
+        the writes on ``stream`` (default ``ptr``; a :class:`~kvcanary_cupy.ops.Recording` on it)."""
+        s = ptr if stream is None else stream
         swa_loc = self._swa_map.translate(step.loc, self.swa.swa.lut, ptr) if step.translate else None
         ids, pos = step.ids, step.pos
         digest = None  # the ranks' agreement: its digest runs in the last write's launch
@@ -714,7 +758,7 @@ class KvCanary:
                 continue
             ops.write(g.canary, g.wp, input_ids=ids, positions=pos, out_cache_loc=swa_loc if loc is None else loc,
                       log=log, tag=tag, real_kv=srcs, real_kv_mode=mode, expected_inputs=exp_in,
-                      digest=digest if i == last else None, stream=ptr)
+                      digest=digest if i == last else None, stream=s)
 
     def _after_step(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc, expected_input_ids,
                     expected_positions) -> AfterStep:

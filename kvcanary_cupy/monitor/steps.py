@@ -28,12 +28,18 @@ class BeforeStep:
             tuple in the order the monitor passes them (req_pool_indices, prefix_lens,
             extend_lens, req_to_token, block_table, page_size, swa, expected, log, tag,
             real_kv, real_kv_mode, check_tokens, sample).
+        launches: None unless the step is kept in a :class:`StepCache` (its arrays are the bound
+            buffers); then a :class:`StepCache` of what it recorded, per stamp (the
+            :class:`AfterStep` a monitor that stamps before the forward writes with, else None):
+            ``(plans, launches)``, each group with its verify plan when it was recorded, and the
+            step's :class:`~kvcanary_cupy.ops.PreparedOp` s.
     """
 
-    __slots__ = ("bs", "objs", "valid_lens", "check_tokens", "groups")
+    __slots__ = ("bs", "objs", "valid_lens", "check_tokens", "groups", "launches")
 
     def __init__(self, *, bs: int, objs: tuple, valid_lens, check_tokens: bool, groups: tuple):
         self.bs, self.objs, self.valid_lens, self.check_tokens, self.groups = bs, objs, valid_lens, check_tokens, groups
+        self.launches: StepCache | None = None
 
 
 class AfterStep:
@@ -48,19 +54,28 @@ class AfterStep:
             real_kv_mode, expected_inputs))``: the rest of :func:`~kvcanary_cupy.write`'s
             keyword arguments.
         tokens: the shortest of the token inputs (what a write may read).
+        kept: whether it is kept in a :class:`StepCache` (its arrays are the bound buffers).
+        launches: once a kept step recorded them, its writes' :class:`~kvcanary_cupy.ops.PreparedOp` s.
     """
 
-    __slots__ = ("objs", "given", "ids", "pos", "loc", "translate", "groups", "tokens")
+    __slots__ = ("objs", "given", "ids", "pos", "loc", "translate", "groups", "tokens", "kept", "launches")
 
     def __init__(self, *, objs: tuple, ids, pos, loc, translate: bool, groups: tuple, tokens: int):
         self.objs, self.given = objs, any(o is not None for o in objs)
         self.ids, self.pos, self.loc, self.translate, self.groups = ids, pos, loc, translate, groups
         self.tokens = tokens
+        self.kept = False
+        self.launches = None
 
 
 class StepCache(dict):
     """Prepared steps by shape key, the most recent ``capacity`` of them (a dict: a step's
     lookup is one ``get``, no Python frame).
+
+    A kept step reads only bound buffers and long-lived objects, so the ops it calls
+    are the same calls every time: the monitor records them once
+    (:class:`~kvcanary_cupy.ops.Recording`) and then launches the recorded ops
+    directly, with no op's validation or memo lookup.
 
     A key holds the objects it names (e.g. a per-step :class:`ExpectedTokens`), so their
     ids cannot be reused while the entry exists.
