@@ -134,3 +134,41 @@ def test_a_recording_stream_runs_the_op_and_hands_back_its_launch(xp, device):
     rec.ops[0]()
     assert host(canary.records)[18:20, 0].tolist() == [7, 8]
     assert log.counters()["kernel_runs"] == 2
+
+
+def test_a_prepared_op_takes_torch_tensors_and_reads_them_in_place():
+    torch = pytest.importorskip("torch")
+    canary, wp, log = small(np, "cpu")
+    loc = torch.tensor([16, 17])
+    stamp = kc.prepare(kc.write, canary, wp, input_ids=torch.tensor([7, 8]), positions=torch.tensor([0, 1]),
+                       out_cache_loc=loc, log=log, tag=kc.LaunchTag.WRITE)
+    gc.collect()  # the imported views are the prepared op's to keep
+    stamp()
+    loc.copy_(torch.tensor([18, 19]))  # refilled in place
+    stamp()
+    assert canary.records[16:20, 0].tolist() == [7, 8, 7, 8]
+
+
+@pytest.mark.gpu
+def test_a_prepared_op_launched_on_a_capturing_stream_is_captured():
+    import cupy as cp  # noqa: PLC0415
+
+    canary, wp, log = small(cp, "cuda")
+    loc = cp.asarray([16, 17])
+    stamp = kc.prepare(kc.write, canary, wp, input_ids=cp.asarray([7, 8]), positions=cp.asarray([0, 1]),
+                       out_cache_loc=loc, log=log, tag=kc.LaunchTag.WRITE)
+    s = cp.cuda.Stream(non_blocking=True)
+    stamp(s)  # eager, on s
+    s.synchronize()
+    assert host(canary.records)[16:18, 0].tolist() == [7, 8]
+    canary.records.fill(0)
+    cp.cuda.Device().synchronize()
+    s.begin_capture()
+    stamp(s)
+    graph = s.end_capture()
+    assert not host(canary.records).any()  # captured, not run
+    loc[:] = cp.asarray([20, 21])
+    cp.cuda.Device().synchronize()
+    graph.launch(s)
+    s.synchronize()
+    assert host(canary.records)[20:22, 0].tolist() == [7, 8]
