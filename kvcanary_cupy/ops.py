@@ -118,7 +118,11 @@ class PreparedOp:
 
     def __call__(self, stream=None) -> None:
         """Launch on ``stream`` (default: as the op's own default, see :func:`prepare`)."""
-        self._call.run(stream)
+        call = self._call
+        if stream is not None and stream is call.stream:  # the stream of the last launch: no lookup
+            call.launch(call.stream_ptr)
+            return
+        call.run(stream)
 
 
 class Recording:

@@ -499,12 +499,12 @@ class KvCanary:
         if request_ids is not None and len(request_ids) != step.bs:
             raise ValueError(f"kvcanary: request_ids: expected one id per batch row ({step.bs}), "
                              f"got {len(request_ids)}")
-        writes = (input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc, expected_input_ids,
-                  expected_positions)
         stamp = None
         if self.stamp_before_forward:
-            stamp = self._prepared_after(*writes)
-        elif any(x is not None for x in writes):
+            stamp = self._prepared_after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
+                                         expected_input_ids, expected_positions)
+        elif (input_ids is not None or positions is not None or out_cache_loc is not None or num_tokens is not None
+              or swa_out_cache_loc is not None or expected_input_ids is not None or expected_positions is not None):
             raise ValueError("kvcanary: input_ids: a step's write inputs go to after_forward (or construct the "
                              "monitor with stamp_before_forward=True to stamp before the forward)")
         if self._cpu:
