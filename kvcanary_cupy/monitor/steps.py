@@ -5,9 +5,11 @@ An engine that binds its per-step buffers calls ``before_forward(batch_size=bs)`
 hands the ops (the views of the bound buffers, the slot table, each group's plans,
 sources, tags) is then the same objects every time: it is validated and laid out once,
 in a :class:`BeforeStep` / :class:`AfterStep`, and a later step of the same shape only
-looks it up. The monitor drops every prepared step when what they hold changes
-(``bind_inputs``, ``rebind``); the one thing that changes under them, a verify plan that
-grows, is read from its group at each call.
+looks it up. Its op calls are then the same calls every time too: the first one records
+them (:class:`~kvcanary_cupy.ops.Recording`), later ones launch what it recorded. The
+monitor drops every prepared step when what they hold changes (``bind_inputs``,
+``rebind``); the one thing that changes under them, a verify plan that grows, is read from
+its group at each call, and a recording made with another plan is made again.
 """
 from __future__ import annotations
 
@@ -71,11 +73,6 @@ class AfterStep:
 class StepCache(dict):
     """Prepared steps by shape key, the most recent ``capacity`` of them (a dict: a step's
     lookup is one ``get``, no Python frame).
-
-    A kept step reads only bound buffers and long-lived objects, so the ops it calls
-    are the same calls every time: the monitor records them once
-    (:class:`~kvcanary_cupy.ops.Recording`) and then launches the recorded ops
-    directly, with no op's validation or memo lookup.
 
     A key holds the objects it names (e.g. a per-step :class:`ExpectedTokens`), so their
     ids cannot be reused while the entry exists.
