@@ -354,12 +354,15 @@ class Runner:
                 self.monitor_host = monitor_steps.host_figures(setup, hosts[0].batch, timer=p.timer, calls=s.host_calls,
                                                                runs=s.runs, capture=p.capture)
                 self.monitor_host["case"] = hosts[0].name
-                if stamped is not None:
-                    self.monitor_host["stamped_eager_step_us"] = median(p.timer.host(stamped.step(hosts[0].batch),
-                                                                                     calls=s.host_calls))
                 self.say(f"[bench] monitor host: eager step {self.monitor_host['eager_step_us']:.1f} us")
             except Exception as e:  # noqa: BLE001
                 self.monitor_host = {"error": _short(e), "traceback": _err(e), "case": hosts[0].name}
+            if stamped is not None and "error" not in self.monitor_host:
+                try:
+                    self.monitor_host["stamped_eager_step_us"] = median(p.timer.host(stamped.step(hosts[0].batch),
+                                                                                     calls=s.host_calls))
+                except Exception as e:  # noqa: BLE001  (the usual monitor's figures stand)
+                    self.monitor_host["stamped_error"] = _short(e)
         del setup, stamped, kv
 
     def _monitor_case(self, c: C.Case, pool: C.Pool, setups: dict, entry: dict, gathers: dict, N: int) -> None:
