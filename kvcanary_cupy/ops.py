@@ -93,12 +93,10 @@ def _run(cache: LaunchCache, key, keep, prepare, args, stream) -> None:
         call = prepare(args, stream)
         if call.native:
             cache.keep(key, keep, call)
-    if rec is None:
+    if rec is None or rec.run:
         call.run(stream)
-        return
-    if rec.run:
-        call.run(stream)
-    rec.ops.append(PreparedOp(call, keep))
+    if rec is not None:
+        rec.ops.append(PreparedOp(call, keep))
 
 
 class PreparedOp:
