@@ -19,8 +19,9 @@ typedef unsigned long long u64;
 inline constexpr i64 RECORD_WORDS = 4;  // int64 words per record
 inline constexpr i64 FIELD_LINK = 2;
 inline constexpr i64 FIELD_FINGERPRINT = 3;
-inline constexpr i64 RESERVED_SLOT = 0;  // padding tokens park here; never verified
+inline constexpr i64 RESERVED_SLOT = 0;  // padding tokens park here; never written, a violation when read
 inline constexpr i64 PADDING_REQ = 0;    // request-table row 0: a padding batch row
+inline constexpr i64 SEED_SKIP = -2;     // a write plan's seed for a row that stamps nothing
 
 // --- hash constants ---------------------------------------------------------
 inline constexpr u64 SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9ULL;
@@ -41,6 +42,7 @@ inline constexpr i64 FAIL_TOKEN = 32;
 inline constexpr i64 FAIL_SLOT_OUT_OF_RANGE = 64;
 inline constexpr i64 FAIL_INPUT_OUT_OF_RANGE = 128;
 inline constexpr i64 FAIL_RANK_DIVERGENCE = 256;
+inline constexpr i64 FAIL_RESERVED_SLOT = 512;
 
 // --- violation ring layout --------------------------------------------------
 inline constexpr i64 VIOLATION_WORDS = 10;  // append_violation writes the columns in format.py's order
@@ -173,6 +175,14 @@ __device__ __forceinline__ i64 record_failures(const Record& r, i64 prev, u64 pl
     if (check_tokens && etok != -1 && r.token != etok) bits |= FAIL_TOKEN;
     if (fp_sel && r.fingerprint != fp) bits |= FAIL_REAL_KV;
     return bits;
+}
+
+// The write's chain-position check of a token at position p stored after one at prev:
+// p must be prev + 1 (in epos, wrapped), and nothing follows the largest position,
+// whose successor would wrap around to the smallest.
+__device__ __forceinline__ bool position_breaks(i64 prev, i64 p, i64& epos) {
+    epos = (i64)((u64)prev + 1ULL);
+    return prev == 0x7FFFFFFFFFFFFFFFLL || p != epos;
 }
 
 // x mod m in [0, m) for m > 0 (C++'s % keeps the sign of x): a sampler's phase.

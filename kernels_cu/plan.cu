@@ -78,6 +78,8 @@ struct PlanArgs {
 // seed state: the link after its seed record, that record's position and 1 once
 // published. The last block out zeroes it (the seed states: the tail that reads them).
 inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_SCANNED = 16;
+// bs - r for the first row r whose extend length is out of range (a running max; 0: none).
+inline constexpr int SYNC_UNKNOWN_SPAN = 4;
 inline constexpr int SYNC_VERDICTS = 32;
 inline constexpr int SMALL_ROWS = 256;  // rows the small route takes at most
 inline constexpr int SYNC_CHECKED = SYNC_VERDICTS + SMALL_ROWS;
@@ -182,12 +184,21 @@ __device__ __forceinline__ void plan_tails(const PlanArgs& a, i64 vtotal, i64 wt
     }
 }
 
+// The table's width in positions, saturated: twidth * page may not fit int64.
+__device__ __forceinline__ i64 table_width(const PlanArgs& a) {
+    const i64 width = mul_or_neg(a.twidth, a.page);
+    return width < 0 ? I64_MAX : width;
+}
+
+// Whether an extend length can be a row's span of the step's tokens. Every row keeps its
+// span in the write plan (the engine's layout) whether or not it stamps it; after a row
+// whose length is out of range the layout is unknown, and no later row stamps.
+__device__ __forceinline__ bool span_known(const PlanArgs& a, i64 E) { return E >= 0 && E <= table_width(a); }
+
 // Whether row r's scalar inputs are in range (plan_row's first test): a request-table
 // row, a prefix and an extend that fit the table's width, and expected tokens for it.
 __device__ __forceinline__ bool row_inputs_ok(const PlanArgs& a, i64 rp, i64 P, i64 E) {
-    // The table's width in positions, saturated: twidth * page may not fit int64.
-    i64 width = mul_or_neg(a.twidth, a.page);
-    if (width < 0) width = I64_MAX;
+    const i64 width = table_width(a);
     bool ok = rp != PADDING_REQ && rp > 0 && rp < a.nreq && P >= 0 && E >= 0 && P <= width && E <= width - P;
     if (a.erows >= 0) ok = ok && rp < a.erows;
     return ok;
@@ -269,10 +280,30 @@ __device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors, 
         if (active && !valid) ++errors;
         if (a.vp_offsets != nullptr) a.vp_offsets[r + 1] = valid ? P - start : 0;
         if (a.wp_offsets != nullptr) {
-            a.wp_offsets[r + 1] = valid ? E : 0;
-            a.wp_seeds[r] = valid && P > 0 && E > 0 ? *seed : -1;
+            const bool known = span_known(a, E);
+            a.wp_offsets[r + 1] = known ? E : 0;
+            a.wp_seeds[r] = !valid ? SEED_SKIP : P > 0 && E > 0 ? *seed : -1;
+            // Rare: the scan (plan_skip_after_unknown) skips the rows after the first such row.
+            if (!known) atomicMax(a.sync + SYNC_UNKNOWN_SPAN, a.bs - r);
         }
     }
+}
+
+// After the scan, in the scanning block: the rows after the first whose span is unknown
+// stamp nothing; those that would have are counted as the write plan's input errors.
+__device__ void plan_skip_after_unknown(const PlanArgs& a, i64* sh) {
+    const i64 u = __ldcg(a.sync + SYNC_UNKNOWN_SPAN);
+    if (u <= 0) return;  // uniform over the block
+    i64 skipped = 0;
+    for (i64 r = a.bs - u + 1 + threadIdx.x; r < a.bs; r += blockDim.x) {
+        if (__ldcg(a.wp_seeds + r) != SEED_SKIP) {
+            a.wp_seeds[r] = SEED_SKIP;
+            ++skipped;
+        }
+    }
+    skipped = block_sum(skipped, sh);
+    if (threadIdx.x == 0 && skipped != 0 && a.wp_input_errors != nullptr)
+        atomicAdd((u64*)a.wp_input_errors, (u64)skipped);
 }
 
 // The counts of every row are in: prefix sums and plan scalars. One block; the totals
@@ -294,6 +325,7 @@ __device__ void plan_scan(const PlanArgs& a, i64* sh, i64& vtotal, i64& wtotal) 
     if (a.wp_offsets != nullptr) {
         wtotal = scan_counts(a.wp_offsets, a.bs, sh);
         if (threadIdx.x == 0) *a.wp_num_rows = a.bs;
+        plan_skip_after_unknown(a, sh);
     }
 }
 
@@ -369,9 +401,11 @@ __device__ __forceinline__ bool entry_check(const CheckArgs& c, bool act, i64 sl
                                             Record* loaded = nullptr) {
     const unsigned lane = lane_id();
     const i64 N = c.num_slots;
-    const bool live = act && slot != RESERVED_SLOT;
-    const bool oor = live && (slot < 0 || slot >= N || prev < -1 || prev >= N);
-    const bool chk = live && !oor;
+    // Every active entry is a live row's read: the reserved slot too, which is reported, not read.
+    const bool live = act;
+    const bool reserved = live && slot == RESERVED_SLOT;
+    const bool oor = live && !reserved && (slot < 0 || slot >= N || prev < -1 || prev >= N);
+    const bool chk = live && !oor && !reserved;
     // Without sources (kFp false) the expected fingerprint is 0, and it is still checked.
     const bool fp_sel = chk && (phase < 0 || pmod(slot, c.period) == phase);
     const i64 below = __shfl_up_sync(FULL_MASK, chk ? slot : -1, 1);
@@ -387,7 +421,9 @@ __device__ __forceinline__ bool entry_check(const CheckArgs& c, bool act, i64 sl
     out = EntryCheck{0, -1, -1, 0, 0};
     if (live) {
         ++checked;
-        if (oor) {
+        if (reserved) {
+            out.bits = FAIL_RESERVED_SLOT;
+        } else if (oor) {
             out.bits = FAIL_SLOT_OUT_OF_RANGE;
         } else {
             out.bits = record_failures<kScan>(r, prev, plink, epos, etok, c.check_tokens != 0, fp_sel, fp,
@@ -556,7 +592,7 @@ __device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, Small
         s.P[r] = P;
         s.E[r] = E;
         s.n[r] = ok ? n : -1;
-        w = ok ? E : 0;
+        w = span_known(a, E) ? E : 0;
         if (a.erows >= 0) {
             const i64 lim = load_index(a.evl, width_bit(a.widths, W_EVL), r);
             s.lim[r] = lim < a.ewidth ? lim : a.ewidth;
@@ -726,10 +762,10 @@ __device__ __forceinline__ void small_finish(const PlanArgs& a, const CheckArgs*
                                              i64* scratch) {
     i64* sync = a.sync;
     const i64 r = threadIdx.x;
-    i64 vc = 0, wc = 0, undo = 0;
-    bool error = false, valid = false;
+    i64 vc = 0, wc = 0, undo = 0, n = -1;
+    bool error = false, valid = false, known = true;
     if (r < a.bs) {
-        const i64 n = s.n[r];
+        n = s.n[r];
         valid = n >= 0;
         if (n > 0) {
             if (invalid != 0) {
@@ -741,11 +777,23 @@ __device__ __forceinline__ void small_finish(const PlanArgs& a, const CheckArgs*
         }
         error = s.rp[r] != PADDING_REQ && !valid;
         vc = valid ? n : 0;
-        wc = valid ? s.E[r] : 0;
-        // No entries (P == 0, or inputs out of range), or an unreadable row: no seed.
-        if (a.wp_offsets != nullptr && (n <= 0 || !valid)) a.wp_seeds[r] = -1;
+        known = span_known(a, s.E[r]);
+        wc = known ? s.E[r] : 0;
+    }
+    // The rows after the first whose span is unknown stamp nothing, as do invalid rows.
+    i64 unknown;
+    const i64 after = block_scan((i64)!known, scratch, unknown) - (i64)!known;
+    const bool stamps = valid && after == 0;
+    // The seeds the tiles stored before this block's store over them (rare: only a step with an
+    // unknown span has valid rows that stamp nothing; one with unreadable rows fenced already).
+    if (unknown != 0) __threadfence();
+    if (a.wp_offsets != nullptr && r < a.bs) {
+        // A row without entries (P == 0) starts its chain; the tiles stored a stamping row's seed.
+        if (!stamps) a.wp_seeds[r] = SEED_SKIP;
+        else if (n == 0) a.wp_seeds[r] = -1;
     }
     const i64 errors = __syncthreads_count(error);
+    const i64 unstamped = __syncthreads_count(r < a.bs && s.rp[r] != PADDING_REQ && !stamps);
     const i64 undone = kVerify && invalid != 0 ? block_sum(undo, scratch) : 0;  // thread 0
     i64 vt, wt;
     const i64 vi = block_scan(vc, scratch, vt);
@@ -772,7 +820,7 @@ __device__ __forceinline__ void small_finish(const PlanArgs& a, const CheckArgs*
         if (a.wp_offsets != nullptr) {
             a.wp_offsets[0] = 0;
             *a.wp_num_rows = a.bs;
-            if (errors != 0 && a.wp_input_errors != nullptr) atomicAdd((u64*)a.wp_input_errors, (u64)errors);
+            if (unstamped != 0 && a.wp_input_errors != nullptr) atomicAdd((u64*)a.wp_input_errors, (u64)unstamped);
         }
         if (undone != 0) atomicAdd((u64*)(c->counters + CTR_SLOTS_CHECKED), (u64)(-undone));
     }
@@ -893,6 +941,7 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
         sync[SYNC_ROWS_DONE] = 0;
         sync[SYNC_SCANNED] = 0;
         sync[SYNC_EXITED] = 0;
+        sync[SYNC_UNKNOWN_SPAN] = 0;
         if constexpr (kVerify) {
             if (c->sample_state != nullptr) c->sample_state[0] = __ldcg(c->sample_state) + 1;
             if (c->digest != nullptr) {

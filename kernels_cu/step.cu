@@ -136,11 +136,12 @@ struct StepWrite {
                     published = __ldcg(st + 2);
                 }
             }
-            const bool span_bad = r < nrows && (o0 < 0 || o1 > avail || o1 < o0);
-            const bool seed_bad = r < nrows && !span_bad && (seed < -1 || seed >= N);
+            const bool skip = seed == SEED_SKIP;  // the plan skipped (and counted) the row
+            const bool span_bad = r < nrows && !skip && (o0 < 0 || o1 > avail || o1 < o0);
+            const bool seed_bad = r < nrows && !skip && !span_bad && (seed < -1 || seed >= N);
             append_violation(w.ring, w.head, w.ring_capacity, span_bad || seed_bad, w.tag, span_bad ? -1 : seed,
                              -1, -1, -1, 0, 0, span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1);
-            if (r < nrows && !span_bad && !seed_bad && o1 > o0) {
+            if (r < nrows && !skip && !span_bad && !seed_bad && o1 > o0) {
                 u64 x = first_link<kScan>();
                 int has = 0;
                 i64 pos = 0;
@@ -176,8 +177,7 @@ struct StepWrite {
         i64 bits = 0, etok = -1, epos = -1;
         if (stored) {
             if (check_pos && sh.has_prev[i]) {
-                epos = (i64)((u64)sh.prev[i] + 1ULL);
-                if (ps != epos) bits |= FAIL_WRITE_POSITION;
+                if (position_breaks(sh.prev[i], ps, epos)) bits |= FAIL_WRITE_POSITION;
             }
             if (has_etok) {
                 etok = sh.etok[i];

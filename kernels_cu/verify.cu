@@ -75,9 +75,11 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
             slot = a.slot_indices[e];
             prev = a.prev_slot_indices[e];
         }
-        const bool live = act && slot != RESERVED_SLOT;
-        const bool oor = live && (slot < 0 || slot >= N || prev < -1 || prev >= N);
-        const bool chk = live && !oor;
+        // Every active entry is a live row's read: the reserved slot too, which is reported, not read.
+        const bool live = act;
+        const bool reserved = live && slot == RESERVED_SLOT;
+        const bool oor = live && !reserved && (slot < 0 || slot >= N || prev < -1 || prev >= N);
+        const bool chk = live && !oor && !reserved;
         const bool fp_sel = chk && (phase < 0 || pmod(slot, a.period) == phase);
         // Entries of a row are consecutive, so the predecessor is mostly the slot of
         // entry e - 1, whose record the lead lane g below loads anyway: its link comes
@@ -104,7 +106,9 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
         u64 link = 0, elink = 0;
         if (lead && live) {
             ++checked;
-            if (oor) {
+            if (reserved) {
+                bits = FAIL_RESERVED_SLOT;
+            } else if (oor) {
                 bits = FAIL_SLOT_OUT_OF_RANGE;
             } else {
                 bits = record_failures<kScan>(r, prev, plink, epos, etok, a.check_tokens != 0, fp_sel, fp, elink);

@@ -111,8 +111,7 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
         i64 bits = 0, etok = -1, epos = -1;
         if (stored) {
             if (check_pos && my_has_prev) {
-                epos = (i64)((u64)my_prev + 1ULL);
-                if (p != epos) bits |= FAIL_WRITE_POSITION;
+                if (position_breaks(my_prev, p, epos)) bits |= FAIL_WRITE_POSITION;
             }
             if (width_bit(a.widths, HAS_ETOK)) {
                 etok = load_index(a.exp_tokens, width_bit(a.widths, W_ETOK), i);
@@ -282,8 +281,7 @@ __device__ __forceinline__ void store_chunk(const WriteArgs& a, const ScanChunk&
     i64 bits = 0, etok = -1, epos = -1;
     if (stored) {
         if (check_pos && my_has_prev) {
-            epos = (i64)((u64)my_prev + 1ULL);
-            if (c.p != epos) bits |= FAIL_WRITE_POSITION;
+            if (position_breaks(my_prev, c.p, epos)) bits |= FAIL_WRITE_POSITION;
         }
         if (width_bit(a.widths, HAS_ETOK)) {
             etok = load_index(a.exp_tokens, width_bit(a.widths, W_ETOK), c.i);
@@ -754,8 +752,9 @@ __device__ void finish_tiles(const WriteArgs& a, const TileLaunch& tl, unsigned 
 
 // A row's span and seed, checked: false (and a violation row from the caller's
 // lane 0 when `report`) for a reversed or out-of-range span or a seed outside
-// the canary.
+// the canary; false and nothing reported for a row the plan skipped (it counted it).
 __device__ __forceinline__ bool row_ok(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool report) {
+    if (seed == SEED_SKIP) return false;  // uniform over the caller's warp: one row
     const bool span_bad = o0 < 0 || o1 > a.avail || o1 < o0;  // a reversed span: a forged plan
     const bool seed_bad = !span_bad && (seed < -1 || seed >= a.num_slots);
     if (report)

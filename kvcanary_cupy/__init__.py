@@ -12,7 +12,7 @@ tensor-parallel ranks agree every step (``KvCanary(process_group=...)``,
 from .arrays import as_view
 from .canary import CanaryBuffer, RealKvSource
 from .digest import Digest, DigestRow, RankCompare
-from .format import (ANCHOR, ANCHOR_HASH, P61, SCAN_ANCHOR, SCAN_MUL, FailReason, LaunchTag, RealKvMode,
+from .format import (ANCHOR, ANCHOR_HASH, P61, SCAN_ANCHOR, SCAN_MUL, SEED_SKIP, FailReason, LaunchTag, RealKvMode,
                      chain_links, make_records, mix3, next_link, scan_term, splitmix64)
 from .ops import (PreparedOp, Recording, plan, plan_and_verify, plan_verify_write, prepare, scatter_expected_tokens,
                   verify, write)
@@ -23,7 +23,7 @@ from .violations import Violation, ViolationLog
 __version__ = "0.1.0"
 
 __all__ = [
-    "ANCHOR", "ANCHOR_HASH", "P61", "SCAN_ANCHOR", "SCAN_MUL", "CanaryBuffer", "Digest", "DigestRow", "ExpectedTokens", "FailReason",
+    "ANCHOR", "ANCHOR_HASH", "P61", "SCAN_ANCHOR", "SCAN_MUL", "SEED_SKIP", "CanaryBuffer", "Digest", "DigestRow", "ExpectedTokens", "FailReason",
     "FingerprintSampler", "LaunchTag", "PreparedOp", "RankCompare", "Recording", "RealKvMode", "RealKvSource", "SwaWindow", "VerifyPlan",
     "Violation", "ViolationLog", "WritePlan", "as_view", "chain_links", "export_records", "import_records",
     "make_records", "mix3", "next_link", "plan", "plan_and_verify", "plan_verify_write", "prepare", "scan_term", "scatter_expected_tokens",

@@ -19,8 +19,11 @@ FIELD_TOKEN = 0
 FIELD_POSITION = 1
 FIELD_LINK = 2
 FIELD_FINGERPRINT = 3
-RESERVED_SLOT = 0  # engines park padding tokens here; never verified
+RESERVED_SLOT = 0  # engines park padding tokens here: never written; a live row that reads it is a violation
 PADDING_REQ = 0  # request-table row 0 is the padding row of a batch
+# A write plan's seed for a row that stamps nothing: padding, a row that cannot be planned, or
+# a row after one whose span of the step's tokens is unknown. -1 is a row that starts a chain.
+SEED_SKIP = -2
 
 # --- hash constants ----------------------------------------------------------
 SPLITMIX_MUL1 = 0xBF58476D1CE4E5B9
@@ -125,6 +128,7 @@ class FailReason(enum.IntFlag):
     SLOT_OUT_OF_RANGE = 64  # a slot outside the canary buffer (never read)
     INPUT_OUT_OF_RANGE = 128  # write inputs shorter than the write plan needs
     RANK_DIVERGENCE = 256  # a tensor-parallel rank planned or wrote something other than the group's majority
+    RESERVED_SLOT = 512  # a live row's table maps a position it reads to the reserved slot 0
 
     def describe(self) -> str:
         names = [m.name.lower() for m in FailReason if m and m in self]

@@ -139,4 +139,4 @@ def test_plan_of_one_long_row_fills_entries_in_chunks():
     assert np.array_equal(ent["slot_indices"], slots[5:])
     assert np.array_equal(ent["prev_slot_indices"], slots[4:-1])
     assert np.array_equal(ent["expected_positions"], np.arange(5, n))
-    assert wp.seed_slots.tolist() == [slots[-1], -1]
+    assert wp.seed_slots.tolist() == [slots[-1], kc.SEED_SKIP]  # row 1 is padding

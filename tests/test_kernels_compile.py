@@ -93,7 +93,7 @@ def test_backend_uses_only_listed_names():
 def _header_constants() -> dict:
     text = (cuda_sources.kernels_dir() / cuda_sources.HEADER).read_text()
     out = {}
-    for name, value in re.findall(r"^inline constexpr \w+ (\w+) = (0x[0-9A-Fa-f]+|\d+)(?:ULL)?;", text, re.M):
+    for name, value in re.findall(r"^inline constexpr \w+ (\w+) = (0x[0-9A-Fa-f]+|-?\d+)(?:ULL)?;", text, re.M):
         out[name] = int(value, 0)
     return out
 

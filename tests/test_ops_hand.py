@@ -117,25 +117,48 @@ def test_decode_extends_the_chain(xp, device):
 
 
 def test_mixed_batch_prefill_padding_decode(xp, device):
+    """A padding row keeps its span of the step's tokens (the engine's layout) and stamps nothing."""
     e = env(xp, device)
     prefill(e, 2, 3, ROW2, TOK2)
-    e.plan([1, 0, 2], [0, -7, 3], [4, 1 << 40, 1])
-    assert host(e.wp.offsets).tolist() == [0, 4, 4, 5, 5, 5, 5, 5, 5]
-    assert host(e.wp.seed_slots).tolist() == [-1, -1, ROW2[2]] + [-1] * 5
+    e.plan([1, 0, 2], [0, -7, 3], [4, 1, 1])
+    assert host(e.wp.offsets).tolist() == [0, 4, 5, 6, 6, 6, 6, 6, 6]
+    assert host(e.wp.seed_slots).tolist() == [-1, kc.SEED_SKIP, ROW2[2]] + [-1] * 5
     assert int(host(e.wp.num_rows)[0]) == 3
     assert host(e.vp.offsets).tolist() == [0, 0, 0, 3, 3, 3, 3, 3, 3]
     assert e.entries()["slot_indices"][:3].tolist() == ROW2[:3]
     assert e.scalars()["input_errors"] == 0
+    assert int(host(e.wp.input_errors)[0]) == 0
     e.verify()
-    e.write(TOK1[:4] + [TOK2[3], 5, 5], [0, 1, 2, 3, 3, 0, 0], ROW1[:4] + [ROW2[3], 0, 0])  # 2 trailing pads
+    # The padding row's token (slot 0) sits between the rows; 2 trailing pads after them.
+    e.write(TOK1[:4] + [5, TOK2[3], 5, 5], [0, 1, 2, 3, 0, 3, 0, 0], ROW1[:4] + [0, ROW2[3], 0, 0])
     recs = e.records()
     check_chain(recs, ROW1, TOK1, 4)
     check_chain(recs, ROW2, TOK2, 4)
-    assert (recs[0] == 0).all()  # the trailing padding tokens are past the plan: never stored
+    assert (recs[0] == 0).all()  # padding tokens are never stored
     e.plan([2, 1], [4, 4], [0, 0])
     e.verify()
     assert e.rows() == []
     assert e.log.counters()["slots_written"] == 3 + 5
+
+
+def test_rows_after_an_unknown_span_stamp_nothing_and_are_counted(xp, device):
+    """A row whose extend length is out of range (here a padding row's 2**40) leaves the layout
+    after it unknown: the later rows are verified but stamp nothing, and each live one is counted."""
+    e = env(xp, device)
+    prefill(e, 2, 3, ROW2, TOK2)
+    e.plan([1, 0, 2], [0, -7, 3], [4, 1 << 40, 1])
+    assert host(e.wp.offsets).tolist() == [0, 4, 4, 5, 5, 5, 5, 5, 5]
+    assert host(e.wp.seed_slots).tolist() == [-1, kc.SEED_SKIP, kc.SEED_SKIP] + [-1] * 5
+    assert host(e.vp.offsets).tolist() == [0, 0, 0, 3, 3, 3, 3, 3, 3]  # row 2 is still verified
+    assert e.scalars()["input_errors"] == 0
+    assert int(host(e.wp.input_errors)[0]) == 1
+    e.verify()
+    e.write(TOK1[:4] + [TOK2[3]], [0, 1, 2, 3, 3], ROW1[:4] + [ROW2[3]])
+    recs = e.records()
+    check_chain(recs, ROW1, TOK1, 4)
+    assert (recs[ROW2[3]] == 0).all()  # not stamped from a guess
+    assert e.rows() == []
+    assert e.log.counters()["slots_written"] == 3 + 4
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])

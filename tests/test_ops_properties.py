@@ -154,7 +154,8 @@ def model_plan(rp, P, E, table, page, swa_size, lut, exp, cap, max_batch):
             s = int(lut[s])
         return s
 
-    entries, counts, W, seed, errors = [], [], [], [], 0
+    entries, counts, W, seed, errors, unstamped = [], [], [], [], 0, 0
+    layout_known = True  # every row so far had a length that can be its span of the step's tokens
     for r in range(len(rp)):
         q, p, e = int(rp[r]), int(P[r]), int(E[r])
         row, sd, ok = [], -1, q != 0
@@ -180,15 +181,20 @@ def model_plan(rp, P, E, table, page, swa_size, lut, exp, cap, max_batch):
             if not ok:
                 errors += 1
         if not ok:
-            row, sd, e = [], -1, 0
+            row = []
+        stamps = ok and layout_known
+        if q != 0 and not stamps:
+            unstamped += 1
         entries += row
         counts.append(len(row))
-        W.append(e)
-        seed.append(sd)
+        known = 0 <= e <= width
+        W.append(e if known else 0)  # the row's span, kept whether or not it stamps
+        layout_known &= known
+        seed.append(sd if stamps else kc.SEED_SKIP)
     total = len(entries)
     offs = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
     woffs = np.concatenate([[0], np.cumsum(W, dtype=np.int64)]).tolist()
-    return dict(entries=entries, total=total, errors=errors,
+    return dict(entries=entries, total=total, errors=errors, unstamped=unstamped,
                 offsets=offs + [total] * (max_batch - len(rp)),
                 w_offsets=woffs + [woffs[-1]] * (max_batch - len(rp)),
                 seeds=seed + [-1] * (max_batch - len(rp)),
@@ -264,10 +270,10 @@ def test_plan_matches_scalar_model(xp, device, seed, page, use_swa, use_exp, dty
     assert host(wp.offsets).tolist() == want["w_offsets"]
     assert seeds_got.tolist() == want["seeds"]
     assert int(host(wp.num_rows)[0]) == bs
-    assert int(host(wp.input_errors)[0]) == prior + 1 + want["errors"]
-    assert all(seeds_got[r] == -1 for r in range(bs) if rp[r] == 0)
+    assert int(host(wp.input_errors)[0]) == prior + 1 + want["unstamped"]
+    assert all(seeds_got[r] == kc.SEED_SKIP for r in range(bs) if rp[r] == 0)
     for r in range(bs):  # a seed is the table's slot at P - 1, after the LUT
-        if seeds_got[r] != -1:
+        if seeds_got[r] >= 0:
             v = int(table[rp[r], (P[r] - 1) // page]) * page + (P[r] - 1) % page
             assert seeds_got[r] == (v if lut is None else lut[v])
 
@@ -281,6 +287,8 @@ def model_write(recs, offsets, seeds, num_rows, ids, pos, loc, exp_tok, exp_pos,
     avail = min(len(a) for a in (ids, pos, loc, exp_tok, exp_pos) if a is not None)
     for r in range(max(0, min(num_rows, len(seeds)))):
         a, b = int(offsets[r]), int(offsets[r + 1])
+        if int(seeds[r]) == kc.SEED_SKIP:  # the plan skipped the row: nothing stamped, nothing reported
+            continue
         if a < 0 or b > avail or b < a:
             rows.append((tag, -1, -1, -1, -1, 0, 0, int(F.INPUT_OUT_OF_RANGE), r, -1))
             continue
@@ -301,7 +309,7 @@ def model_write(recs, offsets, seeds, num_rows, ids, pos, loc, exp_tok, exp_pos,
             bits, epos = 0, -1
             etok = int(exp_tok[i]) if exp_tok is not None else -1
             if check and prev is not None:
-                epos = prev + 1
+                epos = s64(prev + 1)  # wraps as the kernel stores it; no position follows the largest
                 if p != prev + 1:
                     bits |= F.WRITE_POSITION
             if etok != -1 and etok != t:
@@ -399,9 +407,10 @@ def model_verify(recs, slot, prev, epos, etok, offsets, n, check_tokens, tag, po
 
     for i in range(n):
         s, q = int(slot[i]), int(prev[i])
-        if s == 0:
-            continue
         checked += 1
+        if s == 0:  # a live row reads the reserved slot: reported, its record never read
+            rows.append((tag, 0, -1, -1, int(etok[i]), 0, 0, int(F.RESERVED_SLOT), row_of(i), int(epos[i])))
+            continue
         if not (0 <= s < N) or not (-1 <= q < N):
             rows.append((tag, s, -1, -1, int(etok[i]), 0, 0, int(F.SLOT_OUT_OF_RANGE), row_of(i), int(epos[i])))
             continue

@@ -25,22 +25,29 @@ def env(xp, device, **kw):
     return Env(xp, device, table=kw.pop("table", TABLE), **kw)
 
 
-def check_plan(e, rp, P, E, *, good, errors, prior=0, **kw):
+def check_plan(e, rp, P, E, *, good, errors, prior=0, prior_unstamped=None, **kw):
     """Plan, then: rows in ``good`` (index -> (slots, seed)) planned as given, every other
-    active row dropped (no entries, no writes, seed -1), ``errors`` more input errors."""
+    active row dropped (no entries, seed SEED_SKIP), ``errors`` more input errors. Every row
+    keeps its span of ``E`` tokens in the write plan while its length can be a span; after
+    one that cannot, no row stamps, and the write plan counts each live one it skips."""
     e.plan(rp, P, E, **kw)
     offs, woffs, seeds = host(e.vp.offsets), host(e.wp.offsets), host(e.wp.seed_slots)
     slots = e.entries()["slot_indices"]
+    width = (host(kw["block_table"]).shape[1] * kw["page_size"] if "block_table" in kw else e.table.shape[1])
+    known = [0 <= x <= width for x in E]
+    after = [not all(known[:r]) for r in range(len(rp))]
     for r in range(len(rp)):
         n, w = offs[r + 1] - offs[r], woffs[r + 1] - woffs[r]
+        assert w == (E[r] if known[r] else 0), r
         if r in good:
             want_slots, want_seed = good[r]
             assert slots[offs[r]:offs[r + 1]].tolist() == want_slots, r
-            assert seeds[r] == want_seed and w == max(0, E[r]), r
+            assert seeds[r] == (kc.SEED_SKIP if after[r] else want_seed), r
         else:
-            assert n == 0 and w == 0 and seeds[r] == -1, r
+            assert n == 0 and seeds[r] == kc.SEED_SKIP, r
     assert e.scalars()["input_errors"] == prior + errors
-    assert int(host(e.wp.input_errors)[0]) == prior + errors
+    unstamped = errors + sum(1 for r in good if after[r])
+    assert int(host(e.wp.input_errors)[0]) == (prior if prior_unstamped is None else prior_unstamped) + unstamped
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
@@ -233,7 +240,8 @@ def test_forged_verify_plan_is_reported_not_crashed(xp, device, seed):
         oor = ((slots != 0) & ((slots < 0) | (slots >= N) | (prev < -1) | (prev >= N))).sum()
         rows = e.log.read()
         assert sum(v.reasons == F.SLOT_OUT_OF_RANGE for v in rows) == oor
-        assert all(0 < v.slot < N for v in rows if v.reasons != F.SLOT_OUT_OF_RANGE)
+        assert sum(v.reasons == F.RESERVED_SLOT for v in rows) == (slots == 0).sum()  # read, never skipped
+        assert all(0 < v.slot < N for v in rows if v.reasons not in (F.SLOT_OUT_OF_RANGE, F.RESERVED_SLOT))
     e.vp.enable.fill(7)  # anything but 1 disables
     e.log.clear()
     e.verify()
@@ -254,11 +262,13 @@ def test_forged_write_plan_is_reported_not_crashed(xp, device, seed):
         e.write(ids, np.arange(12), loc)
         offs, seeds = host(e.wp.offsets), host(e.wp.seed_slots)
         n = max(0, min(nr, 4))
-        bad_span = [(offs[r] < 0) | (offs[r + 1] > 12) | (offs[r + 1] < offs[r]) for r in range(n)]
+        skip = [seeds[r] == kc.SEED_SKIP for r in range(n)]  # stamps nothing, reports nothing
+        bad_span = [not skip[r] and ((offs[r] < 0) | (offs[r + 1] > 12) | (offs[r + 1] < offs[r]))
+                    for r in range(n)]
         rows = e.log.read()
         assert sorted(v.batch_row for v in rows if v.reasons == F.INPUT_OUT_OF_RANGE) == \
             [r for r in range(n) if bad_span[r]]
         assert sorted(v.batch_row for v in rows if v.reasons == F.SLOT_OUT_OF_RANGE and v.position == -1) == \
-            [r for r in range(n) if not bad_span[r] and (seeds[r] < -1 or seeds[r] >= N)]
+            [r for r in range(n) if not skip[r] and not bad_span[r] and (seeds[r] < -1 or seeds[r] >= N)]
     recs = e.records()
     assert all(s in set(loc.tolist()) for s in np.nonzero(recs.any(axis=1))[0])  # only planned slots written

@@ -170,8 +170,8 @@ class Step:
     """One engine step's inputs (all int64 NumPy; cast with ``Workload.index_dtype``).
 
     req_pool_indices, prefix_lens, extend_lens, valid_lens: ``[bs]``;
-    input_ids, positions, out_cache_loc: ``[>= sum of extend_lens of active rows]``
-    (trailing padding tokens parked on slot 0 may follow).
+    input_ids, positions, out_cache_loc: ``[>= sum of extend_lens]``, every row's span in
+    batch order, a padding row's tokens parked on slot 0 (trailing padding tokens may follow).
     """
 
     req_pool_indices: np.ndarray
@@ -245,7 +245,8 @@ def make_workload(rng: np.random.Generator, *, num_requests: int = 5, max_len: i
                   decode_prob: float = 0.5, pad_rows: int = 2, index_dtype=np.int64) -> Workload:
     """A random run: prefill chunks and decode steps of several requests, some of which
     start from a prefix another request wrote (whole pages shared), with padding rows
-    (request row 0, garbage lengths) mixed into batches, and garbage past each request's
+    (request row 0, a garbage prefix length, a span of 0 to 2 tokens on slot 0) mixed into
+    batches, and garbage past each request's
     last page so a read beyond the planned range cannot pass unnoticed."""
     R = num_requests + 1
     ps = int(page_size)
@@ -306,7 +307,7 @@ def make_workload(rng: np.random.Generator, *, num_requests: int = 5, max_len: i
             rows.append((int(r), int(done[r]), e))
         for _ in range(int(rng.integers(0, pad_rows + 1))):
             garbage = int(rng.choice([-7, 0, 3, 1 << 40, -(1 << 40)]))
-            rows.insert(int(rng.integers(0, len(rows) + 1)), (0, garbage, int(rng.choice([-3, 0, 2, 1 << 33]))))
+            rows.insert(int(rng.integers(0, len(rows) + 1)), (0, garbage, int(rng.integers(0, 3))))
         ids, pos, loc = [], [], []
         for rp, P, E in rows:
             if rp:
@@ -314,6 +315,10 @@ def make_workload(rng: np.random.Generator, *, num_requests: int = 5, max_len: i
                 pos.append(np.arange(P, P + E))
                 loc.append(slots_of(rt[rp, P:P + E]))
                 done[rp] += E
+            else:
+                ids.append(np.zeros(E, dtype=np.int64))
+                pos.append(np.zeros(E, dtype=np.int64))
+                loc.append(np.zeros(E, dtype=np.int64))
         npad = int(rng.integers(0, 3))
         ids.append(np.zeros(npad, dtype=np.int64))
         pos.append(np.zeros(npad, dtype=np.int64))

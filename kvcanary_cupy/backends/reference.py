@@ -144,9 +144,17 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
     ok &= ~row_bad
     errors = int(np.count_nonzero(active & ~ok))
     count = np.where(ok, P - start, 0)
-    W = np.where(ok, E, 0)
-    seed = np.full(bs, -1, dtype=_I64)
-    idx = np.nonzero(ok & (P > 0) & (W > 0))[0]
+    # The step's tokens are the engine's layout: every row keeps its span of E tokens whether
+    # or not it stamps them. After a row whose own length is out of range the layout is
+    # unknown: no later row stamps from a guess.
+    known = (E >= 0) & (E <= width)
+    W = np.where(known, E, 0)
+    after_unknown = (np.cumsum(~known) - ~known) > 0
+    stamps = ok & ~after_unknown
+    unstamped = int(np.count_nonzero(active & ~stamps))
+    seed = np.full(bs, fmt.SEED_SKIP, dtype=_I64)
+    seed[stamps] = -1
+    idx = np.nonzero(stamps & (P > 0) & (E > 0))[0]
     seed[idx] = _slots_at(table, page_size, rp[idx], P[idx] - 1, lut)[0]
 
     if vp is not None:
@@ -188,7 +196,7 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
         wp.seed_slots[:bs] = seed
         wp.seed_slots[bs:] = -1
         wp.num_rows[0] = bs
-        wp.input_errors[0] += errors
+        wp.input_errors[0] += unstamped
 
 
 # --- write -------------------------------------------------------------------
@@ -251,9 +259,11 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
                  if a is not None])
     out = []
 
+    # A row the plan skipped stamps nothing (the plan counted it), whatever its span.
+    skip = seeds == fmt.SEED_SKIP
     # A reversed span can only come from a forged plan: report it rather than drop the row.
-    span_bad = (o0 < 0) | (o1 > avail) | (o1 < o0)
-    seed_bad = ~span_bad & ((seeds < -1) | (seeds >= N))
+    span_bad = ~skip & ((o0 < 0) | (o1 > avail) | (o1 < o0))
+    seed_bad = ~skip & ~span_bad & ((seeds < -1) | (seeds >= N))
     if span_bad.any():
         r = np.nonzero(span_bad)[0]
         out.append(_rows(r.shape[0], tag=tag, slot=-1, position=-1, stored_token=-1, expected_token=-1,
@@ -264,7 +274,7 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
         out.append(_rows(r.shape[0], tag=tag, slot=seeds[r], position=-1, stored_token=-1, expected_token=-1,
                          stored_link=0, expected_link=0, fail_bits=int(FailReason.SLOT_OUT_OF_RANGE),
                          batch_row=r, expected_position=-1))
-    live = np.nonzero(~span_bad & ~seed_bad & (o1 > o0))[0]
+    live = np.nonzero(~skip & ~span_bad & ~seed_bad & (o1 > o0))[0]
     if live.shape[0] == 0:
         _append(log, out)
         return
@@ -303,8 +313,10 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
     pos_bad = np.zeros(row_l.shape[0], dtype=bool)
     if bool(wp.position_check[0]):
         chk = stored & has_prev
-        exp_pos_col[chk] = prev_p[chk] + 1
-        pos_bad = chk & (poss != prev_p + 1)
+        with np.errstate(over="ignore"):  # wraps as the kernel's does; the largest position has no successor
+            succ = prev_p + 1
+        exp_pos_col[chk] = succ[chk]
+        pos_bad = chk & ((poss != succ) | (prev_p == _I64_MAX))
 
     bits = np.zeros(row_l.shape[0], dtype=_I64)
     bits[pos_bad] |= int(FailReason.WRITE_POSITION)
@@ -358,10 +370,11 @@ def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
     prev = vp.prev_slot_indices[:n].astype(_I64)
     epos = vp.expected_positions[:n].astype(_I64)
     etok = vp.expected_tokens[:n].astype(_I64)
-    live = slot != fmt.RESERVED_SLOT
-    log.counter_array[fmt.CTR_SLOTS_CHECKED] += int(np.count_nonzero(live))
-    oor = live & ((slot < 0) | (slot >= N) | (prev < -1) | (prev >= N))
-    chk = np.nonzero(live & ~oor)[0]
+    # Every entry is a live row's read: one at the reserved slot is reported, never read.
+    log.counter_array[fmt.CTR_SLOTS_CHECKED] += n
+    reserved = slot == fmt.RESERVED_SLOT
+    oor = ~reserved & ((slot < 0) | (slot >= N) | (prev < -1) | (prev >= N))
+    chk = np.nonzero(~reserved & ~oor)[0]
     s = slot[chk]
     r = rec[s]
     p = prev[chk]
@@ -384,11 +397,12 @@ def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
         bits[bad_fp] |= int(FailReason.REAL_KV)
 
     out = []
-    e_oor = np.nonzero(oor)[0]
+    e_oor = np.nonzero(oor | reserved)[0]  # entries whose record is not read
     if e_oor.shape[0]:
         out.append(_rows(e_oor.shape[0], tag=tag, slot=slot[e_oor], position=-1, stored_token=-1,
                          expected_token=etok[e_oor], stored_link=0, expected_link=0,
-                         fail_bits=int(FailReason.SLOT_OUT_OF_RANGE),
+                         fail_bits=np.where(reserved[e_oor], int(FailReason.RESERVED_SLOT),
+                                            int(FailReason.SLOT_OUT_OF_RANGE)),
                          batch_row=_batch_rows(vp, e_oor), expected_position=epos[e_oor]))
     v = np.nonzero(bits)[0]
     if v.shape[0]:
