@@ -41,15 +41,27 @@ DESCRIPTION = ("Time plan / verify / plan_and_verify / write and whole monitor s
                "of the harness whose figures mean nothing.")
 
 
+class CliParser(argparse.ArgumentParser):
+    """An argument parser whose errors (an unknown option, a bad value) are one line,
+    ``kvcanary: COMMAND: ...``, followed by the usage, with exit status 2."""
+
+    def __init__(self, *args, command: str, **kw):
+        super().__init__(*args, **kw)
+        self.command = command
+
+    def error(self, message: str):
+        self.exit(2, f"kvcanary: {self.command}: {message}\n{self.format_usage()}")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION)
+    ap = CliParser(prog="python -m bench", command="bench", description=DESCRIPTION)
     ap.add_argument("--quick", action="store_true", help="a tiny subset (seconds): the smoke test")
     ap.add_argument("--json", metavar="PATH", default="kvcanary_bench.json",
                     help="where the JSON results go (default: %(default)s)")
     ap.add_argument("--markdown", metavar="PATH", default=None,
                     help="markdown file whose bench block is rewritten (created if missing)")
     ap.add_argument("--runs", type=int, default=None, metavar="N",
-                    help="timed runs per figure (default 50; 5 with --quick)")
+                    help="timed runs per figure (default 50; 5 with --quick or --device cpu)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the PyTorch baseline")
     ap.add_argument("--only", metavar="REGEX", default=None,
                     help="only the cases whose name matches the regular expression (re.search)")
@@ -57,21 +69,34 @@ def _parser() -> argparse.ArgumentParser:
                     help="wall-clock budget: the baseline stops at 85%% of it, the remaining cases at 100%%")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cuda (default): the current CUDA device through CuPy; cpu: a dry run of the harness "
-                         "on the NumPy reference, whose figures mean nothing and whose targets do not apply")
+                         "on the NumPy reference, whose figures mean nothing and whose targets do not apply (the "
+                         "full suite's cases with batches and token counts divided by 16, more where memory is "
+                         "short)")
     return ap
 
 
 def main(argv=None) -> int:
     """Run the bench; returns the exit status (1 when a measurement failed, else 0)."""
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         raise SystemExit(f"kvcanary: --runs: expected >= 1, got {args.runs}")
+    if args.only is not None:
+        import re  # noqa: PLC0415
+
+        try:
+            re.compile(args.only)
+        except re.error as e:
+            ap.error(f"--only {args.only!r}: not a regular expression ({e}); expected a Python regular "
+                     "expression matched against the case names")
 
     from . import cases, report  # noqa: PLC0415
     from .platforms import NoCudaDevice, make_platform  # noqa: PLC0415
-    from .runner import Runner  # noqa: PLC0415
+    from .runner import Runner, cpu_sized  # noqa: PLC0415
 
     suite = cases.quick_suite() if args.quick else cases.full_suite()
+    if args.device == "cpu" and not args.quick:
+        suite = cpu_sized(suite)
     if args.runs is not None:
         suite = dataclasses.replace(suite, runs=args.runs)
     if args.budget is not None:

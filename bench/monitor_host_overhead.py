@@ -19,6 +19,7 @@ this machine's Python, not an H200 host's.
 """
 import argparse
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -55,7 +56,7 @@ def _timed(fns, steps: int, sync) -> list[list[int]]:
     return [s[steps // 10:] for s in samples]
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.monitor_host_overhead",
                                  description="Host time of the monitor's eager step with bound buffers, and of "
                                              "the same ops called directly.")
@@ -71,6 +72,14 @@ def main(argv=None) -> None:
         xp, slots, prefix, bpt = np, 1 << 14, 64, 32
         sync = lambda: None  # noqa: E731
     else:
+        from .platforms import NoCudaDevice, cuda_device_count  # noqa: PLC0415
+
+        try:
+            cuda_device_count()
+        except NoCudaDevice as e:
+            print(f"kvcanary: bench.monitor_host_overhead: {e}; --device cuda (the default) needs CuPy and a CUDA "
+                  "device: run with --device cpu for the monitor's own Python on the NumPy backend", file=sys.stderr)
+            return 2
         import cupy as xp  # noqa: PLC0415
 
         slots, prefix, bpt = SLOTS, PREFIX, BPT
@@ -145,7 +154,8 @@ def main(argv=None) -> None:
           f"(kc.prepare): {prep:.1f} us; the monitor adds {extra:.1f} us to the prepared ops "
           "(median of the step-by-step differences)")
     print("violations:", len(mon.poll()) + len(mon.poll()))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

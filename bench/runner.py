@@ -32,7 +32,10 @@ Results dict::
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import os
+import re
 import sys
 import time
 import traceback
@@ -47,6 +50,92 @@ from . import floors, monitor_steps, report, workloads
 from .timing import median
 
 LOG_CAPACITY = 4096
+
+# --- the full suite on a CPU (--device cpu without --quick) ------------------------------
+# A dry run of the harness on the NumPy reference: its figures mean nothing, so it runs every
+# case of the full suite at sizes a CPU handles in seconds (an H200's sizes, 21M-slot
+# canaries and a 21 GB KV pool, would take hours and more memory than most hosts have).
+CPU_BATCH_DIV = 16  # batches 1 / 64 / 256 / 1024 / 4096 -> 1 / 4 / 16 / 64 / 256
+CPU_TOKEN_DIV = 16  # prefixes, extends and windows: p16384 -> p1024, e2048 -> e128
+CPU_MAX_TOKEN_DIV = 256  # the most a short memory divides token counts by
+CPU_MEMORY_SHARE = 0.25  # of the memory available when the run starts, for the largest pool's phase
+CPU_PEAK_FACTOR = 3  # the peak over the pool's canaries, KV and inputs: the baseline's copies, temporaries
+CPU_RUNS = 5
+CPU_HOST_CALLS = 100
+CPU_COPY_BYTES = 64 << 20
+CPU_SOFT_DEADLINE_S = 80.0  # past this the baseline is skipped (figures mean nothing: a safety net)
+CPU_HARD_DEADLINE_S = 105.0  # past this the remaining cases are skipped
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new process (MemAvailable; else all physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def _scaled_case(c: C.Case, bdiv: int, tdiv: int) -> C.Case:
+    def t(n):
+        return max(1, n // tdiv)
+
+    batch, prefix, extend = max(1, c.batch // bdiv), (t(c.prefix) if c.prefix else 0), t(c.extend)
+    window = None if c.window is None else t(c.window)
+    sizes = {"b": batch, "p": prefix, "e": extend, "w": window}
+    # Names follow one grammar (cases.py): b<batch>, p<prefix>, e<extend>, w<window> words.
+    name = re.sub(r"\b([bpew])(\d+)\b", lambda m: f"{m.group(1)}{sizes[m.group(1)]}", c.name)
+    return dataclasses.replace(c, name=name, batch=batch, prefix=prefix, extend=extend, window=window)
+
+
+def _scaled_suite(s: C.Suite, bdiv: int, tdiv: int) -> C.Suite:
+    area = bdiv * tdiv
+    cases = tuple(_scaled_case(c, bdiv, tdiv) for c in s.cases)
+    names = [c.name for c in cases]
+    if len(set(names)) != len(names):
+        raise ValueError(f"kvcanary: bench: scaling the suite for the CPU made two cases one: {names}")
+    pools = tuple(dataclasses.replace(p, min_slots=max(4096, p.min_slots // area)) for p in s.pools)
+    probes = tuple((max(1024, n // area), max(4096, slots // area), nbytes) for n, slots, nbytes in s.gather_probes)
+    note = (f"CPU dry run of the {s.name} suite: batches divided by {bdiv}, token counts by {tdiv} and pools by "
+            f"{area} (case names give the sizes run); the figures test the harness and mean nothing")
+    return dataclasses.replace(s, name=f"{s.name}-cpu", pools=pools, cases=cases, copy_bytes=min(s.copy_bytes,
+                               CPU_COPY_BYTES), host_case=_scaled_case(s.host_case, bdiv, tdiv),
+                               host_calls=min(s.host_calls, CPU_HOST_CALLS), runs=min(s.runs, CPU_RUNS),
+                               gather_probes=probes, monitor_host_batch=max(1, s.monitor_host_batch // bdiv),
+                               soft_deadline_s=min(s.soft_deadline_s, CPU_SOFT_DEADLINE_S),
+                               hard_deadline_s=min(s.hard_deadline_s, CPU_HARD_DEADLINE_S), notes=(note,))
+
+
+def cpu_peak_bytes(s: C.Suite) -> int:
+    """Rough peak memory of a run of ``s`` on the CPU: its largest pool's phase (pools run one
+    after another, each freed before the next), with room for the baseline's copies."""
+    gather = max((slots * nbytes for _, slots, nbytes in s.gather_probes), default=0)
+    return CPU_PEAK_FACTOR * max([C.device_bytes(s, p, 0) for p in s.pools] + [gather])
+
+
+def cpu_sized(suite: C.Suite, memory_bytes: int | None = None) -> C.Suite:
+    """``suite`` sized for a CPU dry run: every case kept, batches divided by CPU_BATCH_DIV, token
+    counts by CPU_TOKEN_DIV (more where the largest pool's phase would not fit CPU_MEMORY_SHARE
+    of ``memory_bytes``, default: the memory available now), fewer runs and calls, deadlines
+    that end the run within about two minutes."""
+    memory = available_memory() if memory_bytes is None else memory_bytes
+    tdiv = CPU_TOKEN_DIV
+    sized = _scaled_suite(suite, CPU_BATCH_DIV, tdiv)
+    while cpu_peak_bytes(sized) > CPU_MEMORY_SHARE * memory and tdiv < CPU_MAX_TOKEN_DIV:
+        try:
+            smaller = _scaled_suite(suite, CPU_BATCH_DIV, 2 * tdiv)
+        except ValueError:  # two cases would become one: these are the smallest sizes
+            break
+        if cpu_peak_bytes(smaller) >= cpu_peak_bytes(sized):  # the pools' floors: no smaller
+            break
+        sized, tdiv = smaller, 2 * tdiv
+    return sized
 
 
 def _err(e: BaseException) -> str:

@@ -167,7 +167,20 @@ def main(argv=None) -> int:
     if min(args.batch, args.context, args.replays, args.batches, args.nproc) < 1:
         ap.error("kvcanary: --batch, --context, --replays, --batches and --nproc must be >= 1")
     os.environ["NCCL_NVLS_ENABLE"] = "0"
-    import torch  # noqa: PLC0415
+    need = 1 if "RANK" in os.environ else args.nproc  # under torchrun each rank needs its own device
+    try:
+        import torch  # noqa: PLC0415
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "torch":
+            raise
+        print(f"kvcanary: bench.tp_agreement_cost: needs PyTorch with CUDA and {need} CUDA devices: PyTorch is not "
+              "installed (pip install -e '.[torch]', a CUDA build)", file=sys.stderr)
+        return 2
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if seen < need:
+        print(f"kvcanary: bench.tp_agreement_cost: needs {need} CUDA devices, PyTorch {torch.__version__} sees "
+              f"{seen}; it measures NCCL between GPUs and has no CPU mode", file=sys.stderr)
+        return 2
     import torch.distributed as dist  # noqa: PLC0415
 
     if "RANK" in os.environ:  # torchrun
@@ -177,10 +190,6 @@ def main(argv=None) -> int:
             return _rank_main(args)
         finally:
             dist.destroy_process_group()
-    if torch.cuda.device_count() < args.nproc:
-        print(f"kvcanary: this needs {args.nproc} CUDA devices, PyTorch sees {torch.cuda.device_count()}",
-              file=sys.stderr)
-        return 2
     import torch.multiprocessing as mp  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="kvcanary-bench-") as tmp:

@@ -174,6 +174,25 @@ def one_run(model, prompts, gen, config, *, canary: bool, device: str, split: bo
     return decode_rate(out) + (s["host_us_per_step"], adapter_us, dev_us, s["steps"])
 
 
+def _missing_requirements(device: str) -> str | None:
+    """What this machine lacks for a run on ``device`` (None: nothing), said before a model is built."""
+    import importlib.util  # noqa: PLC0415
+
+    try:
+        import torch  # noqa: PLC0415
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "torch":
+            raise
+        return ("needs PyTorch and transformers, and PyTorch is not installed: pip install -e '.[transformers]' "
+                "(with a CUDA build of PyTorch for the default --device cuda; --device cpu --small runs on the CPU)")
+    if device == "cuda" and not torch.cuda.is_available():
+        return (f"--device cuda (the default) needs a CUDA device and a CUDA build of PyTorch; PyTorch "
+                f"{torch.__version__} sees none: run with --device cpu --small for a dry run of the harness on the CPU")
+    if importlib.util.find_spec("transformers") is None:
+        return "needs transformers: it is not installed (pip install -e '.[transformers]')"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.transformers_overhead", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -184,6 +203,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 256; 16 with --small)")
     ap.add_argument("--cuda-graphs", action="store_true", help="ContinuousBatchingConfig(use_cuda_graph=True)")
     args = ap.parse_args(argv)
+    problem = _missing_requirements(args.device)
+    if problem:
+        print(f"kvcanary: bench.transformers_overhead: {problem}", file=sys.stderr)
+        return 2
 
     import random  # noqa: PLC0415
 

@@ -1,24 +1,39 @@
-"""``python -m kvcanary_cupy selftest | info``."""
+"""``python -m kvcanary_cupy selftest | info | --version``, also installed as the ``kvcanary`` command."""
 from __future__ import annotations
 
+import os
 import sys
 
-USAGE = """usage: python -m kvcanary_cupy {selftest,info} [options]
+MODULE_PROG = "python -m kvcanary_cupy"
+
+USAGE = """usage: {prog} {{selftest,info}} [options]
+       {prog} --version
 
   selftest   clean run plus every fault class on a simulated engine, once per chain kind
              (exit 0: all caught, no false positives)
   info       version, kernel source directory, CuPy / GPU visibility
 
-python -m kvcanary_cupy COMMAND --help lists a command's options.
+{prog} COMMAND --help lists a command's options.
 The benchmarks are not part of the package: python -m bench, from the top of a checkout.
 """
 BENCH_MOVED = ("kvcanary: bench: the benchmarks live in the repository's bench/ folder, not in the package; "
                "run them from a checkout with python -m bench")
+INFO_DESCRIPTION = ("Print the package version, where the CUDA kernel sources are, and whether CuPy is installed "
+                    "and sees a GPU.")
+
+
+def program_name(argv0: str | None = None) -> str:
+    """The name the user ran this as: the console script's (``kvcanary``), else ``python -m kvcanary_cupy``."""
+    base = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    stem, ext = os.path.splitext(base)
+    if ext.lower() == ".exe":
+        base = stem
+    if not base or base in ("-c", "-m") or base.endswith((".py", ".pyw")):
+        return MODULE_PROG
+    return base
 
 
 def info() -> int:
-    import os  # noqa: PLC0415
-
     import kvcanary_cupy  # noqa: PLC0415
 
     pkg = os.path.dirname(os.path.abspath(kvcanary_cupy.__file__))
@@ -55,22 +70,39 @@ def info() -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str | None = None) -> int:
+    """Run a command; returns the exit status. ``prog`` names the program in usage lines
+    (default: as invoked, when ``argv`` is None; else ``python -m kvcanary_cupy``)."""
+    if prog is None:
+        prog = program_name() if argv is None else MODULE_PROG
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = USAGE.format(prog=prog)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, end="")
+        print(usage, end="")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd == "--version":
+        if rest:
+            print(f"kvcanary: --version takes no arguments, got {' '.join(rest)}\n{usage}", file=sys.stderr, end="")
+            return 2
+        from . import __version__  # noqa: PLC0415
+
+        print(f"kvcanary_cupy {__version__}")
+        return 0
     if cmd == "selftest":
         from .selftest import main as selftest_main  # noqa: PLC0415
 
-        return selftest_main(rest)
+        return selftest_main(rest, prog=f"{prog} selftest")
     if cmd == "bench":
         print(BENCH_MOVED, file=sys.stderr)
         return 2
     if cmd == "info":
+        from .selftest import CliParser  # noqa: PLC0415
+
+        CliParser(prog=f"{prog} info", command="info", description=INFO_DESCRIPTION).parse_args(rest)
         return info()
-    print(f"kvcanary: unknown command {cmd!r}\n{USAGE}", file=sys.stderr, end="")
+    what = "option" if cmd.startswith("-") else "command"
+    print(f"kvcanary: unknown {what} {cmd!r}: expected selftest, info or --version\n{usage}", file=sys.stderr, end="")
     return 2
 
 

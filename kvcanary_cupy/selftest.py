@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -287,9 +288,39 @@ def _kind_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m kvcanary_cupy selftest",
+class CliParser(argparse.ArgumentParser):
+    """An argument parser whose errors (an unknown option, a bad value) are one line,
+    ``kvcanary: COMMAND: ...``, followed by the usage, with exit status 2."""
+
+    def __init__(self, *args, command: str, **kw):
+        super().__init__(*args, **kw)
+        self.command = command
+
+    def error(self, message: str):
+        self.exit(2, f"kvcanary: {self.command}: {message}\n{self.format_usage()}")
+
+
+def json_path_problem(path: str) -> str | None:
+    """Why a report cannot be written to ``path`` (None: it can), checked before a run."""
+    if not path:
+        return "the path is empty"
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "that is a folder"
+    if not os.path.exists(folder):
+        return f"its folder {folder} does not exist"
+    if not os.path.isdir(folder):
+        return f"{folder} is not a folder"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "that file is not writable"
+    if not os.path.exists(path) and not os.access(folder, os.W_OK | os.X_OK):
+        return f"its folder {folder} is not writable"
+    return None
+
+
+def main(argv=None, prog: str = "python -m kvcanary_cupy selftest") -> int:
+    ap = CliParser(
+        prog=prog, command="selftest",
         description="Clean run plus every fault class on a simulated paged-KV engine, once per chain kind. "
                     "Exits 0 when, for every kind, every injected fault is caught and the clean run reports "
                     "nothing, 1 otherwise.")
@@ -309,6 +340,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 0 or args.injections < 1:
         ap.error("--steps must be >= 0 and --injections >= 1")
+    if args.json is not None:
+        problem = json_path_problem(args.json)
+        if problem:
+            print(f"kvcanary: selftest: --json {args.json!r}: {problem}; expected the path of a file in an "
+                  "existing, writable folder (checked before the run)", file=sys.stderr)
+            return 2
     if args.backend == "cuda":
         usable, why = cuda_status()
         if not usable:
@@ -326,6 +363,11 @@ def main(argv=None) -> int:
         for e in r["clean"]["examples"]:
             print(f"  clean-run violation ({kind}): {e}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+        except OSError as e:
+            print(f"kvcanary: selftest: --json {args.json}: cannot write the report: {e.strerror or e}",
+                  file=sys.stderr)
+            return 2
     return 0 if report["ok"] else 1

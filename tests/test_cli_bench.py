@@ -3,6 +3,7 @@ tables hold no verdict on GPU targets and no negative figure."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from bench import main, report
-from tests.fake_cupy import NO_DEVICE, NOT_INSTALLED, fake_cupy_env
+from tests.fake_cupy import NO_DEVICE, NOT_INSTALLED, ROOT, fake_cupy_env
 
 NEGATIVE = re.compile(r"(?<![\w.\-])-\d")  # a minus sign starting a figure
 
@@ -69,3 +70,65 @@ def test_gpu_results_keep_their_verdicts():
     cpu = copy.deepcopy(r)
     cpu["meta"]["platform"] = "cpu"
     assert {t["result"] for t in report.evaluate(cpu)} == {"n/a"}
+
+
+def _bench(tmp_path, *args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True,
+                          env=fake_cupy_env(tmp_path, NOT_INSTALLED), cwd=ROOT, timeout=timeout)
+
+
+@pytest.mark.parametrize("pattern", ["[", "(", "decode b4|*"])
+def test_a_bad_only_pattern_is_one_line_before_any_run(tmp_path, pattern):
+    out = _bench(tmp_path, "--quick", "--device", "cpu", "--only", pattern, "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+    first, *rest = out.stderr.splitlines()
+    assert first.startswith(f"kvcanary: bench: --only {pattern!r}: not a regular expression") and "expected" in first
+    assert rest and rest[0].startswith("usage: python -m bench")
+    assert "[bench]" not in out.stderr and not (tmp_path / "b.json").exists()
+
+
+def test_an_unknown_argument_is_one_line_then_usage(tmp_path):
+    out = _bench(tmp_path, "--device", "cpu", "--bogus")
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    first, *rest = out.stderr.splitlines()
+    assert first == "kvcanary: bench: unrecognized arguments: --bogus" and rest[0].startswith("usage: python -m bench")
+
+
+def test_the_cpu_dry_run_of_the_full_suite_is_sized_for_a_cpu(tmp_path):
+    """Every case of the full suite, scaled down: small pools, the copy and gather probes
+    small too, so even a run of one case is seconds, not the H200 sizes' hours."""
+    j = tmp_path / "b.json"
+    out = _bench(tmp_path, "--device", "cpu", "--no-baseline", "--runs", "1", "--only", r"^decode b256 ",
+                 "--json", str(j), timeout=90)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(j.read_text())
+    assert res["meta"]["suite"] == "full-cpu" and res["meta"]["elapsed_s"] < 60
+    assert res["copy"]["buffer_bytes"] <= 64 << 20
+    assert all(g["pool_slots"] <= 1 << 20 for g in res["gather"])
+    (case,) = res["cases"]
+    assert case["name"] == f"decode b{case['batch']} p{case['prefix']}"  # the name gives the sizes run
+    assert case["entries"] <= 1 << 16  # scaled from the full suite's decode b4096 p4096 (16Mi entries)
+    assert case["pool_slots"] <= 1 << 20 and not case["error"]
+    assert any("CPU dry run" in n for n in res["meta"]["notes"])
+
+
+def test_cpu_sizing_keeps_every_case_and_fits_the_memory_it_is_given():
+    from bench import cases as C  # noqa: PLC0415
+    from bench.runner import cpu_peak_bytes, cpu_sized  # noqa: PLC0415
+
+    full = C.full_suite()
+    largest = {}
+    for memory in (24 << 30, 2 << 30, 400 << 20):
+        s = cpu_sized(full, memory_bytes=memory)
+        largest[memory] = max(c.entries for c in s.cases)
+        assert len(s.cases) == len(full.cases) and len({c.name for c in s.cases}) == len(s.cases)
+        assert [(c.group, c.chain, c.mode, c.pool, c.ops) for c in s.cases] == \
+            [(c.group, c.chain, c.mode, c.pool, c.ops) for c in full.cases]
+        assert cpu_peak_bytes(s) <= memory / 4, memory
+        assert s.hard_deadline_s <= 120 and s.runs <= 5
+        hosts = [c for c in s.cases if c.group == "monitor" and c.mode == "NONE" and c.batch == s.monitor_host_batch]
+        assert hosts  # the monitor's host figures still have their case
+    assert largest[400 << 20] < largest[2 << 30] <= 1 << 16  # less memory, smaller cases
+    small = cpu_sized(full, memory_bytes=1 << 20)  # too little for any size: the smallest, still every case
+    assert len({c.name for c in small.cases}) == len(full.cases)
+    assert C.full_suite() == full and full.cases[0].name == "decode b1 p512"  # the GPU sizes stay

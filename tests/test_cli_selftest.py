@@ -6,9 +6,11 @@ A stand-in ``cupy`` package on PYTHONPATH plays "CuPy installed, no CUDA device"
 """
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,3 +74,31 @@ def test_the_summary_names_each_chain_kind_and_ends_with_the_verdict(tmp_path):
     assert one.returncode == 0, one.stdout + one.stderr
     assert "chain 'scan'" not in one.stdout and "chain 'sglang': PASS" in one.stdout
     assert one.stdout.rstrip().splitlines()[-1].startswith("PASS (chain kinds: sglang)")
+
+
+def _bad_json_paths(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    return {"missing folder": str(tmp_path / "no" / "such" / "dir" / "x.json"),
+            "a folder": str(tmp_path),
+            "folder is a file": str(tmp_path / "a_file" / "x.json"),
+            "empty": ""}
+
+
+def test_an_unwritable_json_path_is_refused_before_the_run(tmp_path):
+    env = fake_cupy_env(tmp_path, NOT_INSTALLED)
+    for what, path in _bad_json_paths(tmp_path).items():
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "selftest", "--steps", "1", "--injections", "1",
+                              "--json", path], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        took = time.monotonic() - t0
+        assert out.returncode == 2, (what, out.returncode, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in out.stderr, (what, out.stderr)
+        assert lines[0].startswith(f"kvcanary: selftest: --json {path!r}: ") and "expected" in lines[0], lines[0]
+        assert out.stdout == "" and "NumPy backend" not in out.stderr, what  # no run: no table, no progress
+        assert took < 20, (what, took)
+    path = tmp_path / "new" / "report.json"  # a path in a folder that exists gets the report
+    path.parent.mkdir()
+    out = selftest_cli(env, "--steps", "1", "--quiet", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(path.read_text())["ok"] is True
