@@ -1,7 +1,7 @@
 // scatter.cu: copy each request's token ids into its row of the expected-token
 // table, for the token check. One block per batch row (grid-stride), threads
-// over the row's tokens. Rows that are padding, outside the table, or whose
-// token span lies outside `tokens` (or is empty) are skipped.
+// over the row's tokens. Padding rows and empty spans are skipped; so are rows
+// outside the table and spans outside `tokens`, each counted in *errors (if given).
 #include "kvcanary_common.cuh"
 
 namespace kvc {
@@ -18,6 +18,7 @@ struct ScatterArgs {
     const void* req_pool_indices;  // [bs]
     i64 bs;
     i64 widths;
+    i64* errors;  // [1], rows skipped for out-of-range input are added to it (or null)
 };
 
 __global__ void __launch_bounds__(256) scatter_expected_tokens(ScatterArgs a) {
@@ -26,7 +27,11 @@ __global__ void __launch_bounds__(256) scatter_expected_tokens(ScatterArgs a) {
     for (i64 r = blockIdx.x; r < a.bs; r += gridDim.x) {
         const i64 rp = load_index(a.req_pool_indices, w_req, r);
         const i64 lo = load_index(a.offsets, w_off, r), hi = load_index(a.offsets, w_off, r + 1);
-        if (rp == PADDING_REQ || rp < 0 || rp >= a.nreq || lo < 0 || hi > a.ntok || hi <= lo) continue;
+        if (rp == PADDING_REQ || hi == lo) continue;
+        if (rp < 0 || rp >= a.nreq || lo < 0 || hi > a.ntok || hi < lo) {
+            if (threadIdx.x == 0 && a.errors != nullptr) atomicAdd((u64*)a.errors, 1ULL);
+            continue;
+        }
         const i64 n = hi - lo < a.width ? hi - lo : a.width;
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
             const i64 v = load_index(a.tokens, w_tok, lo + j);

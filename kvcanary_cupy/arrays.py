@@ -15,7 +15,9 @@ tensors (for :class:`~kvcanary_cupy.RealKvSource`) go through PyTorch's
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
+import warnings
 import weakref
 from typing import Sequence
 
@@ -55,6 +57,148 @@ def check_disjoint(owner: str, named: dict) -> None:
             if d1 == d2 and lo1 < hi2 and lo2 < hi1:
                 raise ValueError(f"kvcanary: {owner}: {n1} and {n2} share memory; expected a separate "
                                  "array for each")
+
+
+def check_apart(op: str, written: dict, read: dict) -> None:
+    """Refuse what an op writes sharing memory (see :func:`check_disjoint`), and any array
+    it reads inside one it writes: the launch would read what it has just written, in an
+    order no backend promises. Inputs may share memory with each other: both are only read."""
+    check_disjoint(op, written)
+    out = [(name, byte_range(a)) for name, a in written.items() if a is not None and a.size]
+    for rname, r in read.items():
+        if r is None or not r.size:
+            continue
+        d1, lo1, hi1 = byte_range(r)
+        for wname, (d2, lo2, hi2) in out:
+            if d1 == d2 and lo1 < hi2 and lo2 < hi1:
+                raise ValueError(f"kvcanary: {op}: {rname} shares memory with {wname}, which {op} writes; expected "
+                                 f"an input apart from the op's outputs (pass a copy of {rname} made once, outside "
+                                 "the step)")
+
+
+# --- what an object holds for its life ------------------------------------------
+# A launch reads an object's arrays at the addresses and extents validated when it was
+# prepared, so neither the object's attributes nor its arrays' layouts may change after
+# that: reassigning a field would leave prepared launches on the old arrays (on CUDA, on
+# memory that may be freed), and a resize, reshape or read-only flag would turn the next
+# launch into a bare NumPy error halfway through its writes.
+
+class FixedError(dataclasses.FrozenInstanceError, TypeError):
+    """An attribute of a library object assigned or deleted after construction."""
+
+
+def fix_attributes(cls, remedy: str, mutable: frozenset = frozenset()):
+    """Make ``cls``'s attributes fixed once constructed (constructors set them with
+    ``object.__setattr__``); ``mutable``: private bookkeeping that may change."""
+
+    def refuse(self, name):
+        if name not in mutable:
+            raise FixedError(f"kvcanary: {type(self).__name__}.{name} is fixed for the object's life (launches "
+                             f"prepared with the object read it); {remedy}")
+
+    def __setattr__(self, name, value):
+        refuse(self, name)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        refuse(self, name)
+        object.__delattr__(self, name)
+
+    cls.__setattr__, cls.__delattr__ = __setattr__, __delattr__
+    return cls
+
+
+def _data_assignable() -> bool:
+    """Whether this NumPy still lets ``a.data = buffer`` move an array's memory (deprecated
+    since NumPy 1.12, refused by recent ones; CuPy never allowed it)."""
+    a = np.zeros(1, np.uint8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a.data = bytearray(1)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return True
+
+
+_DATA_ASSIGNABLE = _data_assignable()
+
+
+def layout(a, written: bool = True) -> tuple:
+    """What can change in place while the array object stays the same: its shape, strides,
+    dtype and, for a NumPy array the library writes, whether it is writable; and its
+    address where NumPy lets ``.data`` be assigned. Otherwise the address cannot change
+    unseen: NumPy's ``resize`` moves the data only for a new size (a new shape)."""
+    lay = a.shape, a.strides, a.dtype, written and isinstance(a, np.ndarray) and a.flags.writeable
+    return lay + (data_ptr(a),) if _DATA_ASSIGNABLE and isinstance(a, np.ndarray) else lay
+
+
+def _change(was: tuple, now: tuple) -> str:
+    if was[0] != now[0]:
+        return f"shape {tuple(was[0])} is now {tuple(now[0])}"
+    if was[2] != now[2]:
+        return f"dtype {was[2]} is now {now[2]}"
+    if was[1] != now[1]:
+        return f"strides {tuple(was[1])} are now {tuple(now[1])}"
+    if was[3] != now[3]:
+        return "it is now read-only"
+    return "its data was moved (.data assigned)"
+
+
+class Held:
+    """Arrays validated once, with their layouts then: :meth:`check` refuses any array whose
+    layout changed since (a resize, a new shape, dtype or strides, a read-only flag).
+
+    ``owner`` prefixes the names in errors (``"VerifyPlan"``: ``VerifyPlan.offsets``);
+    ``written``: the names the library writes (their writeable flag counts), or True for all.
+    """
+
+    __slots__ = ("owner", "names", "arrays", "written", "layouts", "remedy")
+
+    def __init__(self, owner: str, named: dict, remedy: str, written=True):
+        self.owner, self.remedy = owner, remedy
+        self.names = tuple(named)
+        self.arrays = tuple(named.values())
+        self.written = tuple(written is True or n in written for n in self.names)
+        self.layouts = tuple(map(layout, self.arrays, self.written))
+
+    def check(self) -> None:
+        # Runs before every launch of a kept call on the CPU: attribute reads only.
+        if _DATA_ASSIGNABLE:
+            if tuple(map(layout, self.arrays, self.written)) != self.layouts:
+                self._refuse()
+            return
+        for a, (shape, strides, dtype, writable) in zip(self.arrays, self.layouts):
+            if (a.shape != shape or a.strides != strides or (a.dtype is not dtype and a.dtype != dtype)
+                    or (writable and not a.flags.writeable)):
+                self._refuse()
+
+    def _refuse(self):
+        for name, a, w, was in zip(self.names, self.arrays, self.written, self.layouts):
+            now = layout(a, w)
+            if now != was:
+                what = f"{self.owner}.{name}" if self.owner else name
+                raise ValueError(f"kvcanary: {what}: changed in place since it was validated ({_change(was, now)}); "
+                                 f"{self.remedy}")
+
+
+def hold(obj, cls_name: str, views: dict, written=True) -> None:
+    """Keep, as ``obj._held``, the arrays ``obj`` validated and their layouts (see :class:`Held`)."""
+    remedy = f"the arrays of a {cls_name} are fixed for its life: make a new {cls_name} over the arrays you need"
+    object.__setattr__(obj, "_held", Held(cls_name, views, remedy, written))
+
+
+def fixed(cls):
+    """``cls``'s fields fixed for the object's life, and pickled as a new object made by its
+    constructor (validated again, with an empty launch cache: prepared launches belong to
+    the process that prepared them)."""
+    init = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    def __reduce__(self):
+        return type(self), tuple(getattr(self, n) for n in init)
+
+    cls.__reduce__ = __reduce__
+    return fix_attributes(cls, f"make a new {cls.__name__}")
 
 
 # --- import ------------------------------------------------------------------
@@ -147,15 +291,35 @@ def _from_foreign(obj, name: str):
         raise TypeError(f"kvcanary: {name}: DLPack device type {dev_type} is not supported (CPU or CUDA expected)")
     if hasattr(obj, "__cuda_array_interface__"):
         return runtime.cupy().asarray(obj)
-    if hasattr(obj, "__array_interface__") or hasattr(obj, "__array__"):
-        a = np.asarray(obj)
-        if a.dtype == object:
-            raise TypeError(f"kvcanary: {name}: expected an array, got {type(obj).__name__}")
-        return a
+    if hasattr(obj, "__array_interface__"):
+        return _interface_view(obj, name)
+    if hasattr(obj, "__array__"):
+        # NumPy can only ask __array__ for an array, and the answer may be a copy: the op
+        # would read a snapshot and never see the caller's later in-place edits.
+        raise TypeError(f"kvcanary: {name}: a {type(obj).__name__} exposes only __array__, which may hand out a "
+                        "copy; pass an array with __dlpack__ or __array_interface__ (NumPy, PyTorch, JAX, CuPy) "
+                        "over the memory itself")
     raise TypeError(
         f"kvcanary: {name}: expected an array with __dlpack__ or __cuda_array_interface__ "
         f"(PyTorch, JAX, CuPy, NumPy), got {type(obj).__name__}"
     )
+
+
+def _interface_view(obj, name: str):
+    """A NumPy view of memory described by ``__array_interface__``, refused if NumPy had to copy."""
+    try:
+        iface = obj.__array_interface__
+        a = np.asarray(obj)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"kvcanary: {name}: cannot read its __array_interface__ ({e})") from e
+    data = iface.get("data") if isinstance(iface, dict) else None
+    want = data[0] if isinstance(data, tuple) and data else None  # else: memory through the buffer protocol
+    if a.dtype == object:
+        raise TypeError(f"kvcanary: {name}: expected an array, got {type(obj).__name__}")
+    if want is not None and a.size and data_ptr(a) != want:
+        raise TypeError(f"kvcanary: {name}: NumPy cannot view the __array_interface__ of a {type(obj).__name__} "
+                        "in place (it made a copy); pass an array with __dlpack__ over the memory itself")
+    return a
 
 
 def _host_import(obj):
@@ -187,11 +351,29 @@ def _jax_import(obj):
 
 def as_view(obj, name: str):
     """Zero-copy NumPy / CuPy view of ``obj``; no checks beyond importability."""
-    if isinstance(obj, np.ndarray) or is_cupy_array(obj):
+    if type(obj) is np.ndarray:
+        return obj
+    if isinstance(obj, np.ndarray):
+        return _plain_numpy(obj, name)
+    if is_cupy_array(obj):
         return obj
     if obj is None:
         raise TypeError(f"kvcanary: {name}: expected an array, got None")
     return _from_foreign(obj, name)
+
+
+def _plain_numpy(obj, name: str):
+    """A NumPy subclass: a memmap is plain memory (its plain view is taken); any other may
+    give its elements another meaning (a mask, matrix indexing), which the kernels and the
+    reference would not honour, so it is refused with what to pass."""
+    if isinstance(obj, np.memmap):
+        return obj.view(np.ndarray)
+    if isinstance(obj, np.ma.MaskedArray):
+        raise TypeError(f"kvcanary: {name}: expected a plain array, got a numpy.ma.MaskedArray (its mask would be "
+                        "ignored); pass the values it stands for, e.g. x.filled(fill) once, outside the step")
+    kind = f"{type(obj).__module__}.{type(obj).__name__}"
+    raise TypeError(f"kvcanary: {name}: expected a plain numpy.ndarray, got a {kind}; pass np.asarray(x) "
+                    "(a zero-copy plain view) if its elements mean what they say")
 
 
 def _dtype_words(dtypes: Sequence[np.dtype]) -> str:

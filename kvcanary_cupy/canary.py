@@ -10,6 +10,7 @@ from .launch_cache import LaunchCache
 from .format import DEFAULT_CHAIN, KV_CHUNK_BYTES, RECORD_WORDS, check_chain
 
 
+@arrays.fixed
 @dataclass(frozen=True, eq=False)
 class CanaryBuffer:
     """One 32-byte record per KV slot.
@@ -22,6 +23,10 @@ class CanaryBuffer:
             serial ``mix3`` chain, byte for byte its records). Every op follows it.
         launches: the prepared write and verify calls made with this canary
             (:class:`~kvcanary_cupy.launch_cache.LaunchCache`); they go with it.
+
+    Its fields and the layout of ``records`` are fixed for its life (launches prepared
+    with it read them); a pickled canary comes back as a new one over a copy of the
+    records, with no prepared launches.
 
     Example::
 
@@ -43,6 +48,7 @@ class CanaryBuffer:
             raise ValueError("kvcanary: records: expected at least one slot (slot 0 is reserved)")
         object.__setattr__(self, "records", r)
         check_chain(self.chain)
+        arrays.hold(self, "CanaryBuffer", {"records": r})
 
     @classmethod
     def allocate(cls, *, num_slots: int, device: str = "cpu", chain: str = DEFAULT_CHAIN) -> "CanaryBuffer":
@@ -79,6 +85,9 @@ class RealKvSource:
         layer_axis: the tensor's first axis holds layers; each counts as one
             source, in layer order.
 
+    Its attributes are fixed for its life: a launch prepared with it holds the pool's
+    address and extent (make a new source for another pool).
+
     Example::
 
         >>> import numpy as np
@@ -88,7 +97,8 @@ class RealKvSource:
         (2, 64)
     """
 
-    __slots__ = ("data", "page_size", "bytes_per_token", "read_bytes", "num_layers", "layer_bytes", "__weakref__")
+    __slots__ = ("data", "page_size", "bytes_per_token", "read_bytes", "num_layers", "layer_bytes", "_held",
+                 "__weakref__")
 
     def __init__(self, tensor, page_size: int = 1, bytes_per_token: int | None = None,
                  read_bytes: int | None = None, *, layer_axis: bool = False):
@@ -116,12 +126,15 @@ class RealKvSource:
             )
         if arrays.data_ptr(flat) % KV_CHUNK_BYTES:
             raise ValueError("kvcanary: tensor: its data must be 16-byte aligned for the fingerprint's 16-byte loads")
-        self.data = flat.reshape(num_layers, layer_bytes)
-        self.page_size = page_size
-        self.bytes_per_token = bpt
-        self.read_bytes = rb
-        self.num_layers = num_layers
-        self.layer_bytes = layer_bytes
+        data = flat.reshape(num_layers, layer_bytes)
+        for name, value in (("data", data), ("page_size", page_size), ("bytes_per_token", bpt), ("read_bytes", rb),
+                            ("num_layers", num_layers), ("layer_bytes", layer_bytes)):
+            object.__setattr__(self, name, value)
+        arrays.hold(self, "RealKvSource", {"data": data}, written=())
+
+    def __reduce__(self):
+        # A new source over a copy of the bytes, made (and checked) by the constructor.
+        return _source_of, (self.data, self.page_size, self.bytes_per_token, self.read_bytes)
 
     @property
     def num_slots(self) -> int:
@@ -136,6 +149,14 @@ class RealKvSource:
         return (f"RealKvSource(num_slots={self.num_slots}, page_size={self.page_size}, "
                 f"bytes_per_token={self.bytes_per_token}, read_bytes={self.read_bytes}, "
                 f"num_layers={self.num_layers}, device={self.device!r})")
+
+
+arrays.fix_attributes(RealKvSource, "make a new RealKvSource")
+
+
+def _source_of(data, page_size: int, bytes_per_token: int, read_bytes: int) -> RealKvSource:
+    """A source over ``data`` (``[num_layers, layer_bytes]`` bytes), for unpickling."""
+    return RealKvSource(data, page_size, bytes_per_token, read_bytes, layer_axis=True)
 
 
 def _leading_dim(tensor) -> int:

@@ -49,3 +49,8 @@ class LaunchCache:
 
     def __len__(self) -> int:
         return len(self.calls)
+
+    def __reduce__(self):
+        # Prepared launches and device state belong to the process (and device) that made
+        # them: a pickled cache comes back empty, which is always safe (see above).
+        return LaunchCache, (self.capacity,)

@@ -2,10 +2,12 @@
 then dispatch.
 
 Every op checks what the host can see (types, dtypes, shapes, devices, which
-arguments go together) and raises ``kvcanary:`` errors for misuse, then hands
-already-imported views to the backend that owns the buffers' device: the NumPy
-reference on ``"cpu"``, the CUDA backend on a GPU. Data the host cannot see
-(indices out of range) is the backend's to count, never to fault on.
+arguments go together, that no input shares memory with what the op writes, that
+the objects' arrays are still as they were validated) and raises ``kvcanary:``
+errors for misuse, then hands already-imported views to the backend that owns the
+buffers' device: the NumPy reference on ``"cpu"``, the CUDA backend on a GPU. Data
+the host cannot see (indices out of range) is the backend's to count, never to
+fault on.
 """
 from __future__ import annotations
 
@@ -27,38 +29,50 @@ def _expect(obj, cls, name):
 
 
 def _canary_device(canary, **objects) -> str:
-    """Type-check the canary and its companions (name=(obj, class)) and require them on
-    the canary's device, which is returned."""
+    """Type-check the canary and its companions (name=(obj, class)), require them on the
+    canary's device, which is returned, and their arrays as they were validated."""
     _expect(canary, CanaryBuffer, "canary")
+    canary._held.check()
     for name, (obj, cls) in objects.items():
         _expect(obj, cls, name)
         if obj.device != canary.device:
             raise ValueError(f"kvcanary: {name}: expected it on {canary.device} like the canary, got {obj.device}")
+        obj._held.check()
     return canary.device
 
 
-def _outputs_apart(op: str, canary, log, **others) -> None:
-    """What an op writes (the records, the log, a plan or sampler state) lives in separate
-    memory: one buffer passed as two objects would be overwritten by the op itself."""
-    named = {"canary.records": canary.records, "log.ring": log.ring, "log.head": log.head,
-             "log.counters": log.counter_array}
-    for name, obj in others.items():
-        if obj is not None:
-            named.update({f"{name}.{f}": getattr(obj, f) for f in obj.FIELDS})
-    arrays.check_disjoint(op, named)
+def _fields(name: str, obj) -> dict:
+    """The arrays of a plan or sampler by their names in errors (``verify_plan.offsets``)."""
+    return {} if obj is None else {f"{name}.{f}": getattr(obj, f) for f in obj.FIELDS}
+
+
+def _log_arrays(log) -> dict:
+    return {"log.ring": log.ring, "log.head": log.head, "log.counters": log.counter_array}
+
+
+def _source_arrays(srcs) -> dict:
+    return {f"real_kv[{i}]": s.data for i, s in enumerate(srcs)}
 
 
 class _Call:
     """A validated op call: its prepared launch, and how to find its stream.
 
-    ``given`` are the caller's array arguments, ``views`` their imported views; the
-    call is *native* when every one was already a NumPy / CuPy array (nothing was
-    imported), and only then may it be kept and run again for the same arguments.
+    ``given`` are the caller's array arguments, ``views`` their imported views (named
+    ``names``; ``written``: those the op writes); the call is *native* when every one was
+    already a NumPy / CuPy array (nothing was imported), and only then may it be kept and
+    run again for the same arguments.
+
+    ``held``: on the CPU, the arrays the launch reads with their layouts as validated,
+    checked before every launch of a kept or prepared call. The NumPy reference reads its
+    arrays afresh at each launch, so a resize, reshape or read-only flag would otherwise
+    fail inside it, halfway through its writes. A CUDA launch holds the addresses and
+    extents it validated, of memory its objects keep alive, so nothing changed in place
+    moves what it reads or writes (a new call validates again); it checks nothing more.
     """
 
-    __slots__ = ("launch", "cpu", "foreign", "native", "stream", "stream_ptr")
+    __slots__ = ("launch", "cpu", "foreign", "native", "stream", "stream_ptr", "held")
 
-    def __init__(self, prepare, device, args, kwargs, stream, given=(), views=()):
+    def __init__(self, prepare, device, args, kwargs, stream, given=(), views=(), names=(), written=()):
         self.cpu = device == "cpu"
         self.native = all(g is v for g, v in zip(given, views))
         self.foreign = () if self.native else given  # they pick the default stream (PyTorch's)
@@ -67,6 +81,7 @@ class _Call:
         # The last stream object given and its handle: a stream's handle never changes, and
         # holding the object keeps the handle from being reused by another stream.
         self.stream, self.stream_ptr = (stream, ptr) if stream is not None else (None, None)
+        self.held = _held_of(args, kwargs, dict(zip(names, views)), written) if self.cpu else ()
 
     def run(self, stream) -> None:
         if stream is not None and stream is self.stream:
@@ -76,6 +91,21 @@ class _Call:
         if stream is not None:
             self.stream, self.stream_ptr = stream, s
         self.launch(s)
+
+
+def _held_of(args, kwargs, inputs: dict, written) -> tuple:
+    """The :class:`~kvcanary_cupy.arrays.Held` arrays of a call: its library objects' and its
+    array inputs' (see :class:`_Call`)."""
+    held = []
+    for x in (*args, *kwargs.values()):
+        for obj in (x if type(x) is tuple else (x,)):
+            h = getattr(obj, "_held", None)
+            if isinstance(h, arrays.Held):
+                held.append(h)
+    if inputs:
+        held.append(arrays.Held("", inputs, "pass it to the op again (a prepared call: prepare it again)",
+                                written))
+    return tuple(held)
 
 
 def _run(cache: LaunchCache, key, keep, prepare, args, stream) -> None:
@@ -93,6 +123,9 @@ def _run(cache: LaunchCache, key, keep, prepare, args, stream) -> None:
         call = prepare(args, stream)
         if call.native:
             cache.keep(key, keep, call)
+    else:
+        for h in call.held:
+            h.check()
     if rec is None or rec.run:
         call.run(stream)
     if rec is not None:
@@ -105,8 +138,8 @@ class PreparedOp:
 
     Made by :func:`prepare`. Its arrays are read in place at every launch, as by a
     CUDA graph: refill them in place between launches, and keep their shapes and
-    dtypes (a changed shape needs a new ``prepare``). It holds every object it was
-    prepared with, so none goes away while it can launch.
+    dtypes (a changed shape needs a new ``prepare``; on the CPU a launch refuses it). It
+    holds every object it was prepared with, so none goes away while it can launch.
     """
 
     __slots__ = ("_call", "_keep")
@@ -115,8 +148,13 @@ class PreparedOp:
         self._call, self._keep = call, keep
 
     def __call__(self, stream=None) -> None:
-        """Launch on ``stream`` (default: as the op's own default, see :func:`prepare`)."""
+        """Launch on ``stream`` (default: as the op's own default, see :func:`prepare`).
+
+        On the CPU the arrays are checked first: one resized, reshaped or made read-only
+        since the call was prepared is refused (see :class:`_Call`)."""
         call = self._call
+        for h in call.held:
+            h.check()
         if stream is not None and stream is call.stream:  # the stream of the last launch: no lookup
             call.launch(call.stream_ptr)
             return
@@ -254,24 +292,59 @@ def check_sources(real_kv, real_kv_mode, device: str, num_slots: int) -> tuple[t
         if s.num_slots < num_slots:
             raise ValueError(f"kvcanary: real_kv[{i}]: the source holds {s.num_slots} slots, expected at least "
                              f"the canary's num_slots = {num_slots}")
+        s._held.check()
     if mode == RealKvMode.NONE or not srcs:
         return (), RealKvMode.NONE
     return srcs, mode
 
 
-def slot_table(req_to_token, block_table, page_size) -> tuple[str, object, int]:
+# The most positions a row of a slot table may span (its width times the page size).
+# The attention kernels engines run hold a sequence's KV length in 32 bits
+# (FlashAttention's cu_seqlens, FlashInfer's indptr), so no request reaches past it, and a
+# wider row is no pool's extent. A plan's work per row is bounded by what the row spans,
+# so an absurd page size is refused here rather than walked.
+MAX_ROW_POSITIONS = 1 << 31
+
+
+def check_table_extent(table_name: str, width: int, page_size: int, num_slots: int | None = None) -> None:
+    """Refuse a slot table no pool can be addressed by: rows of ``width`` entries of
+    ``page_size`` slots span more than :data:`MAX_ROW_POSITIONS` positions, or (with the
+    canary's ``num_slots`` known) one page holds more slots than the whole pool."""
+    if num_slots is not None and page_size > num_slots:
+        raise ValueError(f"kvcanary: page_size: a page of {page_size} slots is larger than the canary's whole pool "
+                         f"(num_slots = {num_slots}); expected page_size <= num_slots")
+    if width * page_size > MAX_ROW_POSITIONS:
+        if page_size > 1:
+            raise ValueError(f"kvcanary: page_size: {table_name} rows of {width} pages of {page_size} slots span "
+                             f"{width * page_size} positions, expected at most 2**31 = {MAX_ROW_POSITIONS} (no "
+                             "attention kernel reaches further, and no pool is addressed by wider rows)")
+        raise ValueError(f"kvcanary: {table_name}: rows of {width} positions, expected at most 2**31 = "
+                         f"{MAX_ROW_POSITIONS}")
+
+
+def slot_table(req_to_token, block_table, page_size, num_slots: int | None = None) -> tuple[str, object, int]:
     """Which slot table a call passes: ``(keyword, table, page size)``; exactly one of
-    ``req_to_token`` (page size 1) and ``block_table`` with ``page_size`` (an integer in
-    ``[1, 2**63 - 1]``)."""
+    ``req_to_token`` (page size 1) and ``block_table`` with ``page_size`` (an integer
+    >= 1). Where the table has a shape, its extent is checked too (see
+    :func:`check_table_extent`, with the canary's ``num_slots`` when given), so no pool
+    can be sized for a table no pool is addressed by."""
     if (req_to_token is None) == (block_table is None):
         raise ValueError("kvcanary: plan: pass exactly one slot table, req_to_token= or block_table= (with page_size=)")
     if req_to_token is not None:
         if page_size is not None and not (scalars.check_int(page_size, "page_size") == 1):
             raise ValueError(f"kvcanary: page_size: only meaningful with block_table=, got {page_size} with req_to_token=")
-        return "req_to_token", req_to_token, 1
-    if page_size is None:
+        name, table, page = "req_to_token", req_to_token, 1
+    elif page_size is None:
         raise ValueError("kvcanary: page_size: block_table= needs page_size >= 1, got None")
-    return "block_table", block_table, scalars.check_int(page_size, "page_size", minimum=1)
+    else:
+        name, table, page = "block_table", block_table, scalars.check_int(page_size, "page_size", minimum=1)
+    try:
+        width = int(table.shape[1])
+    except (AttributeError, IndexError, TypeError, ValueError):
+        width = None  # not 2-D, or no shape yet: checked once imported
+    if width is not None:
+        check_table_extent(name, width, page, num_slots)
+    return name, table, page
 
 
 def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_pool_indices, prefix_lens,
@@ -283,7 +356,13 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
         verify_plan: receives one entry per (active row, prefix position in the
             window); ``None`` to plan writes only.
         write_plan: receives per-row write offsets and chain seeds; ``None`` to plan
-            verification only.
+            verification only. The step's token arrays are the engine's layout:
+            every row keeps its span of ``extend_lens[r]`` tokens in ``offsets``
+            whether or not it stamps it. A padding row, or a row that cannot be
+            planned, gets seed :data:`SEED_SKIP` and stamps nothing; after a row
+            whose extend length is no span (negative, or past the table's width)
+            the layout is unknown, and every later row gets ``SEED_SKIP`` too.
+            Each live row that stamps nothing is added to ``write_plan.input_errors``.
         req_pool_indices: int32 / int64 ``[bs]``, each row's request-table row
             (0: a padding row, which produces nothing).
         prefix_lens: int32 / int64 ``[bs]``, tokens already cached per row.
@@ -292,9 +371,22 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
             (SGLang); or
         block_table: int32 / int64 ``[num_requests, max_pages]`` with ``page_size``
             (vLLM): slot = ``block_table[rp, pos // page_size] * page_size + pos % page_size``.
+            A row may span at most ``max_pages * page_size <= 2**31`` positions
+            (:data:`MAX_ROW_POSITIONS`: the attention kernels engines run count a
+            sequence's KV length in 32 bits, so no pool is addressed by wider rows); a
+            larger page size is refused, so a plan's work per row stays bounded by what a
+            real table spans.
         swa: :class:`SwaWindow`: verify only the window and translate slots by its LUT.
         expected: :class:`ExpectedTokens`: fill ``expected_tokens`` for the token check.
         stream: CUDA stream (see :func:`kvcanary_cupy.runtime.resolve_stream`).
+
+    No input may share memory with the plans' arrays (the plan would read what it writes);
+    inputs may share memory with each other.
+
+    A row that cannot be planned (its request-table row, lengths or a table / LUT
+    entry it reads out of range) produces no verify entries and is added to
+    ``verify_plan.input_errors``. A table entry that maps a live row's position to
+    the reserved slot 0 is planned: :func:`verify` reports it.
 
     Example::
 
@@ -305,7 +397,7 @@ def plan(verify_plan: VerifyPlan | None, write_plan: WritePlan | None, *, req_po
         >>> kc.plan(vp, wp, req_pool_indices=np.array([1, 0]), prefix_lens=np.array([3, 7]),
         ...         extend_lens=np.array([1, 9]), req_to_token=table)
         >>> vp.host_entries()["slot_indices"].tolist(), wp.seed_slots.tolist()
-        ([17, 18, 19], [19, -1])
+        ([17, 18, 19], [19, -2])
     """
     if extra:
         _no_extra("plan", extra)
@@ -330,31 +422,31 @@ def _plan_key(objs) -> tuple:
 
 def _prepare_plan(args, stream) -> _Call:
     verify_plan, write_plan = args[:2]
-    device, inputs, given, views = _plan_inputs(args)
+    device, inputs, given, read = _plan_inputs(args)
     return _Call(backend_for(device).prepare_plan, device, (verify_plan, write_plan), inputs, stream,
-                 given=given, views=views)
+                 given=given, views=tuple(read.values())[:len(given)], names=tuple(read)[:len(given)])
 
 
-def _plan_inputs(args):
+def _plan_inputs(args, op: str = "plan", num_slots: int | None = None):
     """Validate plan's arguments: (device, the backend's keyword arguments, the caller's
-    arrays and their imported views)."""
+    arrays, and every array the plan reads by name: first the views of those arrays, in
+    their order, then the arrays of ``swa`` and ``expected``). ``num_slots``: the canary's,
+    where a fused op knows it (see :func:`check_table_extent`)."""
     (verify_plan, write_plan, req_pool_indices, prefix_lens, extend_lens, req_to_token, block_table, page_size,
      swa, expected) = args
     if verify_plan is None and write_plan is None:
         raise ValueError("kvcanary: plan: expected a verify_plan, a write_plan or both, got neither")
     if verify_plan is not None:
-        _expect(verify_plan, VerifyPlan, "verify_plan")
+        _expect(verify_plan, VerifyPlan, "verify_plan")._held.check()
     if write_plan is not None:
-        _expect(write_plan, WritePlan, "write_plan")
+        _expect(write_plan, WritePlan, "write_plan")._held.check()
     device = (verify_plan or write_plan).device
     if verify_plan is not None and write_plan is not None and write_plan.device != device:
         raise ValueError(f"kvcanary: write_plan: expected it on {device} like verify_plan, got {write_plan.device}")
 
-    if verify_plan is not None and write_plan is not None:
-        arrays.check_disjoint("plan", {**{f"verify_plan.{f}": getattr(verify_plan, f) for f in VerifyPlan.FIELDS},
-                                       **{f"write_plan.{f}": getattr(write_plan, f) for f in WritePlan.FIELDS}})
-    table_name, table_obj, page = slot_table(req_to_token, block_table, page_size)
+    table_name, table_obj, page = slot_table(req_to_token, block_table, page_size, num_slots)
     table = arrays.as_index_array(table_obj, table_name, ndim=2, device=device)
+    check_table_extent(table_name, int(table.shape[1]), page, num_slots)
     rpi = arrays.as_index_array(req_pool_indices, "req_pool_indices", device=device)
     bs = int(rpi.shape[0])
     pre = arrays.as_index_array(prefix_lens, "prefix_lens", device=device, min_len=bs)
@@ -363,18 +455,23 @@ def _plan_inputs(args):
         if p is not None and bs > p.max_batch:
             raise ValueError(f"kvcanary: req_pool_indices: a batch of {bs} rows does not fit {pname}.max_batch = "
                              f"{p.max_batch}; allocate the plan with a larger max_batch")
+    read = {"req_pool_indices": rpi, "prefix_lens": pre, "extend_lens": ext, table_name: table}
     if swa is not None:
-        _expect(swa, SwaWindow, "swa")
-        arrays.check_array(swa.lut, "swa.lut", device=device)
+        _expect(swa, SwaWindow, "swa")._held.check()
+        if swa.lut is not None:
+            arrays.check_array(swa.lut, "swa.lut", device=device)
+            read["swa.lut"] = swa.lut
     if expected is not None:
-        _expect(expected, ExpectedTokens, "expected")
+        _expect(expected, ExpectedTokens, "expected")._held.check()
         arrays.check_array(expected.table, "expected.table", device=device)
         arrays.check_array(expected.valid_lens, "expected.valid_lens", device=device, min_len=bs)
         if verify_plan is None:
             raise ValueError("kvcanary: expected: expected tokens fill verify_plan.expected_tokens; pass a verify_plan")
+        read.update({"expected.table": expected.table, "expected.valid_lens": expected.valid_lens})
+    arrays.check_apart(op, {**_fields("verify_plan", verify_plan), **_fields("write_plan", write_plan)}, read)
     return (device, dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, table=table, page_size=page,
                          swa=swa, expected=expected),
-            (req_pool_indices, prefix_lens, extend_lens, table_obj), (rpi, pre, ext, table))
+            (req_pool_indices, prefix_lens, extend_lens, table_obj), read)
 
 
 def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, out_cache_loc,
@@ -403,6 +500,9 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
             so it may carry nothing and read none of what the write changes (the
             records, the log).
         stream: CUDA stream.
+
+    No input (the token inputs, the write plan, the sources' bytes) may share memory
+    with the records or the log, which the write changes.
     """
     if extra:
         _no_extra("write", extra)
@@ -443,33 +543,37 @@ def _prepare_write(args, stream) -> _Call:
      digest) = args
     device = _canary_device(canary, write_plan=(write_plan, WritePlan), log=(log, ViolationLog))
     tag = scalars.check_tag(tag)
-    _outputs_apart("write", canary, log, write_plan=write_plan)
-    tokens, given, views = _token_inputs(device, input_ids, positions, out_cache_loc, expected_inputs)
+    tokens, given, read = _token_inputs(device, input_ids, positions, out_cache_loc, expected_inputs)
     srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
+    arrays.check_apart("write", {"canary.records": canary.records, **_log_arrays(log)},
+                       {**_fields("write_plan", write_plan), **read, **_source_arrays(srcs)})
     extra = {} if digest is None else {"digest": _write_digest(digest, device, canary, log)}
     return _Call(backend_for(device).prepare_write, device, (canary, write_plan),
-                 dict(**tokens, log=log, tag=tag, sources=srcs, mode=mode, **extra), stream, given=given, views=views)
+                 dict(**tokens, log=log, tag=tag, sources=srcs, mode=mode, **extra), stream, given=given,
+                 views=tuple(read.values()), names=tuple(read))
 
 
 def _token_inputs(device: str, input_ids, positions, out_cache_loc, expected_inputs):
     """Validate a write's token inputs: (the backend's keyword arguments, the caller's arrays,
-    their imported views)."""
+    their imported views by name, in the same order)."""
     ids = arrays.as_index_array(input_ids, "input_ids", device=device)
     pos = arrays.as_index_array(positions, "positions", device=device)
     loc = arrays.as_index_array(out_cache_loc, "out_cache_loc", device=device)
     exp_tok = exp_pos = None
-    given, views = [input_ids, positions, out_cache_loc], [ids, pos, loc]
+    given, read = [input_ids, positions, out_cache_loc], {"input_ids": ids, "positions": pos, "out_cache_loc": loc}
     if expected_inputs is not None:
         if not isinstance(expected_inputs, (tuple, list)) or len(expected_inputs) != 2:
             raise TypeError("kvcanary: expected_inputs: expected a pair (tokens, positions), either may be None")
         if expected_inputs[0] is not None:
-            exp_tok = arrays.as_index_array(expected_inputs[0], "expected_inputs[0]", device=device)
-            given.append(expected_inputs[0]), views.append(exp_tok)
+            exp_tok = read["expected_inputs[0]"] = arrays.as_index_array(expected_inputs[0], "expected_inputs[0]",
+                                                                         device=device)
+            given.append(expected_inputs[0])
         if expected_inputs[1] is not None:
-            exp_pos = arrays.as_index_array(expected_inputs[1], "expected_inputs[1]", device=device)
-            given.append(expected_inputs[1]), views.append(exp_pos)
+            exp_pos = read["expected_inputs[1]"] = arrays.as_index_array(expected_inputs[1], "expected_inputs[1]",
+                                                                         device=device)
+            given.append(expected_inputs[1])
     return (dict(input_ids=ids, positions=pos, out_cache_loc=loc, expected_tokens=exp_tok, expected_positions=exp_pos),
-            tuple(given), tuple(views))
+            tuple(given), read)
 
 
 def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, tag: int,
@@ -487,6 +591,13 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
         sample: :class:`FingerprintSampler`: check fingerprints on a rotating
             ``1/period`` of the slots only (chain, position and token: always all).
         stream: CUDA stream.
+
+    Every entry counts as checked. One at the reserved slot 0 (a live row reads
+    it) is a RESERVED_SLOT violation and its record is not read; its successor's
+    chain is not checked against it. A slot outside the canary is SLOT_OUT_OF_RANGE.
+
+    The plan, the records and the sources' bytes are read and may not share memory with
+    the log or the sampler's state, which the verify changes.
     """
     if extra:
         _no_extra("verify", extra)
@@ -499,21 +610,24 @@ def verify(canary: CanaryBuffer, verify_plan: VerifyPlan, *, log: ViolationLog, 
 
 def _prepare_verify(args, stream) -> _Call:
     canary, verify_plan = args[:2]
-    device, inputs = _verify_inputs("verify", args)
+    device, inputs, _ = _verify_inputs("verify", args)
     return _Call(backend_for(device).prepare_verify, device, (canary, verify_plan), inputs, stream)
 
 
 def _verify_inputs(op: str, args):
-    """Validate verify's arguments: (device, the backend's keyword arguments)."""
+    """Validate verify's arguments: (device, the backend's keyword arguments, the sources'
+    arrays by name)."""
     canary, verify_plan, log, tag, real_kv, real_kv_mode, check_tokens, sample = args
     optional = {} if sample is None else {"sample": (sample, FingerprintSampler)}
     device = _canary_device(canary, verify_plan=(verify_plan, VerifyPlan), log=(log, ViolationLog), **optional)
     tag = scalars.check_tag(tag)
     check_tokens = scalars.check_flag(check_tokens, "check_tokens")
-    _outputs_apart(op, canary, log, sample=sample)
     srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
+    sources = _source_arrays(srcs)
+    arrays.check_apart(op, {**_log_arrays(log), **_fields("sample", sample)},
+                       {"canary.records": canary.records, **_fields("verify_plan", verify_plan), **sources})
     return device, dict(log=log, tag=tag, sources=srcs, mode=mode, check_tokens=check_tokens,
-                        sample=sample if srcs else None)
+                        sample=sample if srcs else None), sources
 
 
 def plan_and_verify(verify_plan: VerifyPlan, write_plan: WritePlan | None, canary: CanaryBuffer, *,
@@ -535,6 +649,11 @@ def plan_and_verify(verify_plan: VerifyPlan, write_plan: WritePlan | None, canar
 
     A plan whose entries exceed ``verify_plan.capacity`` verifies nothing, counts
     ``verifies_skipped`` and keeps the requested total, exactly like ``plan``.
+
+    The slot table is bounded as for :func:`plan`, and with the canary known a page may
+    hold at most ``canary.num_slots`` slots (a page is ``page_size`` consecutive slots of
+    the pool). No input may share memory with what the op writes (the plans, the log, the
+    sampler's state, ``digest``); the records and the inputs are only read.
 
     ``digest`` (optional): int64 ``[1]``, writable, on the canary's device. Receives the
     digest of the step's verify entries, the value a :class:`~kvcanary_cupy.digest.Digest`
@@ -569,37 +688,37 @@ def plan_and_verify(verify_plan: VerifyPlan, write_plan: WritePlan | None, canar
 
 def _prepare_plan_and_verify(args, stream) -> _Call:
     pobjs, vargs, digest = args
-    device, pinputs, vinputs, named, given, views = _plan_verify_inputs("plan_and_verify", pobjs, vargs)
+    device, pinputs, vinputs, written, read, given = _plan_verify_inputs("plan_and_verify", pobjs, vargs)
+    names = tuple(read)[:len(given)]
+    views = tuple(read[n] for n in names)
     if digest is not None:
         view = arrays.as_array(digest, "digest", dtypes=arrays.INT64, ndim=1, device=device, writable=True)
         if view.shape[0] != 1:
             raise ValueError(f"kvcanary: digest: expected an int64 [1] device scalar, got shape {tuple(view.shape)}")
-        named["digest"] = view
+        written["digest"] = view
         vinputs["digest"] = view
-        given, views = (*given, digest), (*views, view)
-    arrays.check_disjoint("plan_and_verify", named)
+        given, views, names = (*given, digest), (*views, view), (*names, "digest")
+    arrays.check_apart("plan_and_verify", written, {"canary.records": vargs[0].records, **read})
     return _Call(backend_for(device).prepare_plan_and_verify, device, (pobjs[0], pobjs[1], vargs[0]),
-                 {**pinputs, **vinputs}, stream, given=given, views=views)
+                 {**pinputs, **vinputs}, stream, given=given, views=views, names=names, written=("digest",))
 
 
 def _plan_verify_inputs(op: str, pobjs, vargs):
     """Validate the plan and verify arguments of a fused op: (device, the plan's and the
-    verify's backend keyword arguments, the buffers it writes by name (to check apart),
-    the caller's arrays and their views)."""
+    verify's backend keyword arguments, the buffers it writes by name and the arrays it reads
+    by name, to check apart (the records are the caller's to add to one or the other), and
+    the caller's arrays, whose views come first in what it reads, in their order)."""
     verify_plan, write_plan = pobjs[:2]
     canary = vargs[0]
     if verify_plan is None:
         raise ValueError(f"kvcanary: verify_plan: {op} needs a VerifyPlan (plan() alone plans writes only)")
-    device, vinputs = _verify_inputs(op, vargs)
-    pdevice, pinputs, given, views = _plan_inputs(pobjs)
+    device, vinputs, sources = _verify_inputs(op, vargs)
+    pdevice, pinputs, given, read = _plan_inputs(pobjs, op, canary.num_slots)
     if pdevice != device:
         raise ValueError(f"kvcanary: verify_plan: expected it on {device} like the canary, got {pdevice}")
-    named = {f"verify_plan.{f}": getattr(verify_plan, f) for f in VerifyPlan.FIELDS}
-    if write_plan is not None:
-        named.update({f"write_plan.{f}": getattr(write_plan, f) for f in WritePlan.FIELDS})
-    named.update({"canary.records": canary.records, "log.ring": vinputs["log"].ring, "log.head": vinputs["log"].head,
-                  "log.counters": vinputs["log"].counter_array})
-    return device, pinputs, vinputs, named, given, views
+    written = {**_fields("verify_plan", verify_plan), **_fields("write_plan", write_plan),
+               **_log_arrays(vinputs["log"]), **_fields("sample", vargs[-1])}
+    return device, pinputs, vinputs, written, {**read, **sources}, given
 
 
 STEP_WRITE_TOKENS = 256  # the most input tokens plan_verify_write stamps in its launch
@@ -638,6 +757,10 @@ def plan_verify_write(verify_plan: VerifyPlan, write_plan: WritePlan, canary: Ca
             write's (e.g. ``LaunchTag.WRITE``).
         stream: CUDA stream.
 
+    The slot table and ``page_size`` are bounded as for :func:`plan_and_verify`. No input
+    may share memory with what the op writes (the plans, the records, the log); the token
+    inputs may be views of the slot table.
+
     Example::
 
         >>> import numpy as np, kvcanary_cupy as kc
@@ -673,11 +796,13 @@ def _prepare_plan_verify_write(args, stream) -> _Call:
     pobjs, vargs, wargs, write_tag = args
     if pobjs[1] is None:
         raise ValueError("kvcanary: write_plan: plan_verify_write writes the step; pass its WritePlan")
-    device, pinputs, vinputs, named, given, views = _plan_verify_inputs("plan_verify_write", pobjs, vargs)
+    device, pinputs, vinputs, written, read, given = _plan_verify_inputs("plan_verify_write", pobjs, vargs)
     write_tag = scalars.check_tag(write_tag, "write_tag")
-    arrays.check_disjoint("plan_verify_write", named)
-    tokens, wgiven, wviews = _token_inputs(device, *wargs)
-    n = min(int(v.shape[0]) for v in wviews)
+    tokens, wgiven, wread = _token_inputs(device, *wargs)
+    names = tuple(read)[:len(given)] + tuple(wread)
+    read.update(wread)
+    arrays.check_apart("plan_verify_write", {"canary.records": vargs[0].records, **written}, read)
+    n = min(int(v.shape[0]) for v in wread.values())
     if n > STEP_WRITE_TOKENS:
         raise ValueError(f"kvcanary: input_ids: plan_verify_write stamps at most {STEP_WRITE_TOKENS} tokens in its "
                          f"launch, got {n} (the shortest of the token inputs); slice them to the step's tokens, "
@@ -685,10 +810,11 @@ def _prepare_plan_verify_write(args, stream) -> _Call:
     del vinputs["sources"], vinputs["mode"], vinputs["sample"]
     return _Call(backend_for(device).prepare_plan_verify_write, device, (pobjs[0], pobjs[1], vargs[0]),
                  {**pinputs, **vinputs, **tokens, "write_tag": write_tag}, stream, given=given + wgiven,
-                 views=views + wviews)
+                 views=tuple(read[k] for k in names), names=names)
 
 
-def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=None, **extra) -> None:
+def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, input_errors=None, stream=None,
+                            **extra) -> None:
     """Copy each request's token ids into its row of the expected-token table.
 
     Args:
@@ -696,27 +822,43 @@ def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, stream=
             ``tokens[offsets[r]:offsets[r + 1]]``, truncated to ``width``.
         tokens: int32 / int64 ``[>= offsets[bs]]``, rows back to back.
         offsets: int32 / int64 ``[bs + 1]``, exclusive prefix sums.
-        req_pool_indices: int32 / int64 ``[bs]``; row 0 (padding) and rows outside
-            the table are skipped, as are token spans outside ``tokens``.
+        req_pool_indices: int32 / int64 ``[bs]``; row 0 (padding) and empty spans
+            are skipped.
+        input_errors: optional int64 ``[1]`` device scalar: every other row that is
+            skipped (a row outside the table, a span reversed or outside ``tokens``)
+            is added to it.
+
+    ``tokens``, ``offsets`` and ``req_pool_indices`` may not share memory with ``table``
+    or ``input_errors``, which the op writes.
     """
     if extra:
         _no_extra("scatter_expected_tokens", extra)
-    objs = (table, tokens, offsets, req_pool_indices)
+    objs = (table, tokens, offsets, req_pool_indices, input_errors)
     key = (*map(_array, objs), getattr(getattr(table, "flags", None), "writeable", None))
     _run(_SCATTER, key, objs, _prepare_scatter, objs, stream)
 
 
 def _prepare_scatter(args, stream) -> _Call:
-    table, tokens, offsets, req_pool_indices = args
+    table, tokens, offsets, req_pool_indices, input_errors = args
     t = arrays.as_index_array(table, "table", ndim=2)
     arrays.check_array(t, "table", writable=True)
     device = runtime.device_of(t)
     tok = arrays.as_index_array(tokens, "tokens", device=device)
     rpi = arrays.as_index_array(req_pool_indices, "req_pool_indices", device=device)
     off = arrays.as_index_array(offsets, "offsets", device=device, min_len=int(rpi.shape[0]) + 1)
+    err = None
+    if input_errors is not None:
+        err = arrays.as_array(input_errors, "input_errors", dtypes=arrays.INT64, ndim=1, device=device,
+                              writable=True)
+        if err.shape[0] != 1:
+            raise ValueError(f"kvcanary: input_errors: expected a device scalar of shape (1,), got {tuple(err.shape)}")
+    views = (t, tok, off, rpi) + ((err,) if err is not None else ())
+    names = ("table", "tokens", "offsets", "req_pool_indices", "input_errors")[:len(views)]
+    arrays.check_apart("scatter_expected_tokens", {"table": t, "input_errors": err},
+                       {"tokens": tok, "offsets": off, "req_pool_indices": rpi})
     return _Call(backend_for(device).prepare_scatter, device, (t,),
-                 dict(tokens=tok, offsets=off, req_pool_indices=rpi),
-                 stream, given=(table, tokens, offsets, req_pool_indices), views=(t, tok, off, rpi))
+                 dict(tokens=tok, offsets=off, req_pool_indices=rpi, input_errors=err),
+                 stream, given=args, views=views, names=names, written=("table", "input_errors"))
 
 
 _PREPARABLE = (plan, verify, write, plan_and_verify, plan_verify_write, scatter_expected_tokens)

@@ -40,6 +40,7 @@ def _own_fields(obj, lengths: dict) -> None:
     arrays.check_disjoint(cls_name, views)
     for name, v in views.items():
         object.__setattr__(obj, name, v)
+    arrays.hold(obj, cls_name, views)
 
 
 def _length(obj, name: str, cls_name: str) -> int:
@@ -48,6 +49,7 @@ def _length(obj, name: str, cls_name: str) -> int:
     return int(v.shape[0])
 
 
+@arrays.fixed
 @dataclass(frozen=True, eq=False)
 class VerifyPlan:
     """The records one step must check: one entry per (request, position) it reads.
@@ -148,13 +150,15 @@ class VerifyPlan:
         return {f: np.array(runtime.to_host(getattr(self, f)[:n])) for f in self.ENTRY_FIELDS}
 
 
+@arrays.fixed
 @dataclass(frozen=True, eq=False)
 class WritePlan:
     """Where a step's new tokens go: per batch row, its span and its chain seed.
 
     Arrays (int64):
         offsets: ``[max_batch + 1]``, exclusive prefix sums of tokens written per row.
-        seed_slots: ``[max_batch]``, the slot of the row's last prefix token (-1: none).
+        seed_slots: ``[max_batch]``, the slot of the row's last prefix token (-1: none, the row starts
+            its chain; SEED_SKIP: the row stamps nothing, see :func:`kvcanary_cupy.plan`).
         num_rows: device scalar ``[1]``, the batch size planned; -1 until the
             first plan (a write then stamps nothing and counts ``writes_skipped``).
         input_errors: device scalar ``[1]``, rows dropped for out-of-range data
@@ -225,9 +229,12 @@ class WritePlan:
 
     def set_position_check(self, on: bool) -> None:
         """Flip the chain-position switch (an ordinary device write, no sync)."""
-        self.position_check.fill(1 if scalars.check_flag(on, "on") else 0)
+        on = scalars.check_flag(on, "on")
+        self._held.check()
+        self.position_check.fill(1 if on else 0)
 
 
+@arrays.fixed
 @dataclass(frozen=True, eq=False)
 class SwaWindow:
     """A sliding window: only the last ``size`` prefix positions are read, and every
@@ -235,17 +242,28 @@ class SwaWindow:
 
     Args:
         size: window length in tokens, >= 1.
-        lut: int32 / int64 ``[num_full_slots]`` translation table.
+        lut: int32 / int64 ``[num_full_slots]`` translation table, at least one entry;
+            or ``None``: the table's slots are the pool's own (a pool that is itself a
+            window's), read as they are.
     """
 
     size: int
-    lut: object
+    lut: object = None
 
     def __post_init__(self):
         object.__setattr__(self, "size", scalars.check_int(self.size, "SwaWindow.size", minimum=1))
-        object.__setattr__(self, "lut", arrays.as_index_array(self.lut, "SwaWindow.lut"))
+        if self.lut is None:
+            arrays.hold(self, "SwaWindow", {}, written=())
+            return
+        lut = arrays.as_index_array(self.lut, "SwaWindow.lut")
+        if lut.shape[0] < 1:
+            raise ValueError("kvcanary: SwaWindow.lut: expected at least one entry (one per full-pool slot), got "
+                             "an empty array")
+        object.__setattr__(self, "lut", lut)
+        arrays.hold(self, "SwaWindow", {"lut": lut}, written=())
 
 
+@arrays.fixed
 @dataclass(frozen=True, eq=False)
 class ExpectedTokens:
     """Token ids each request must hold, for the token check.
@@ -266,11 +284,15 @@ class ExpectedTokens:
     offset: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "table", arrays.as_index_array(self.table, "ExpectedTokens.table", ndim=2))
-        object.__setattr__(self, "valid_lens", arrays.as_index_array(self.valid_lens, "ExpectedTokens.valid_lens"))
+        table = arrays.as_index_array(self.table, "ExpectedTokens.table", ndim=2)
+        valid_lens = arrays.as_index_array(self.valid_lens, "ExpectedTokens.valid_lens")
+        object.__setattr__(self, "table", table)
+        object.__setattr__(self, "valid_lens", valid_lens)
         object.__setattr__(self, "offset", check_token_offset(self.offset, "ExpectedTokens.offset"))
+        arrays.hold(self, "ExpectedTokens", {"table": table, "valid_lens": valid_lens}, written=())
 
 
+@arrays.fixed
 @dataclass(frozen=True, eq=False)
 class FingerprintSampler:
     """Sampled real-KV verification: each verify checks fingerprints of the slots with

@@ -134,6 +134,10 @@ class ViolationLog:
         counter_array: ``[6]`` (see :meth:`counters`): kernel runs, slots checked,
             slots written, verifies skipped, writes skipped, tokens skipped.
 
+    The arrays, and their layouts, are fixed for the log's life: a launch prepared with
+    it appends at the addresses it validated. A pickled log comes back as a new log over
+    copies of the arrays, its poll position kept.
+
     Example::
 
         >>> log = ViolationLog.allocate(capacity=256, device="cpu")
@@ -144,18 +148,21 @@ class ViolationLog:
     def __init__(self, ring, head, counters):
         # The kernels append rows and bump counters at raw addresses: every array must be
         # writable, packed, on one device, of its exact length, and apart from the others.
-        self.ring = arrays.as_array(ring, "ring", dtypes=arrays.INT64, ndim=2, writable=True)
-        if self.ring.shape[1] != VIOLATION_WORDS or self.ring.shape[0] < 1:
+        ring = arrays.as_array(ring, "ring", dtypes=arrays.INT64, ndim=2, writable=True)
+        if ring.shape[1] != VIOLATION_WORDS or ring.shape[0] < 1:
             raise ValueError(f"kvcanary: ring: expected shape [capacity >= 1, {VIOLATION_WORDS}], "
-                             f"got {tuple(self.ring.shape)}")
-        dev = runtime.device_of(self.ring)
-        self.head = arrays.as_array(head, "head", dtypes=arrays.INT64, ndim=1, device=dev, writable=True)
-        self.counter_array = arrays.as_array(counters, "counters", dtypes=arrays.INT64, ndim=1, device=dev,
-                                             writable=True)
-        if self.head.shape[0] != 1 or self.counter_array.shape[0] != NUM_COUNTERS:
-            raise ValueError(f"kvcanary: ViolationLog: head has length {self.head.shape[0]}, expected 1; "
-                             f"counters has length {self.counter_array.shape[0]}, expected {NUM_COUNTERS}")
-        arrays.check_disjoint("ViolationLog", {"ring": self.ring, "head": self.head, "counters": self.counter_array})
+                             f"got {tuple(ring.shape)}")
+        dev = runtime.device_of(ring)
+        head = arrays.as_array(head, "head", dtypes=arrays.INT64, ndim=1, device=dev, writable=True)
+        counters = arrays.as_array(counters, "counters", dtypes=arrays.INT64, ndim=1, device=dev, writable=True)
+        if head.shape[0] != 1 or counters.shape[0] != NUM_COUNTERS:
+            raise ValueError(f"kvcanary: ViolationLog: head has length {head.shape[0]}, expected 1; "
+                             f"counters has length {counters.shape[0]}, expected {NUM_COUNTERS}")
+        fields = {"ring": ring, "head": head, "counter_array": counters}
+        arrays.check_disjoint("ViolationLog", {"ring": ring, "head": head, "counters": counters})
+        for name, a in fields.items():
+            object.__setattr__(self, name, a)
+        arrays.hold(self, "ViolationLog", fields)
         self._polled = 0  # rows already handed out by poll()
         self._reader = None  # HostReader of (head, ring), made on the first poll
         self._window_start = 0  # the first ring row the queued copy holds
@@ -163,25 +170,33 @@ class ViolationLog:
     @classmethod
     def allocate(cls, *, capacity: int, device: str = "cpu", head=None, counters=None) -> "ViolationLog":
         """A zeroed log of ``capacity`` rows. ``head`` / ``counters``: optional int64 ``[1]`` /
-        ``[6]`` arrays on ``device`` to use (zeroed here), e.g. a word of a buffer a collective
-        sends, so that the head travels without a copy, or views of a block polled in one copy."""
+        ``[6]`` arrays on ``device`` to use (zeroed here, once every check has passed: a refused
+        array is left as it was), e.g. a word of a buffer a collective sends, so that the head
+        travels without a copy, or views of a block polled in one copy."""
         capacity = scalars.check_int(capacity, "capacity", minimum=1)
+        ring = runtime.empty((capacity, VIOLATION_WORDS), np.int64, device, fill=0)
+        dev = runtime.device_of(ring)  # "cuda" named as the arrays name it: "cuda:N"
 
         def given_or_new(a, name, n):
             if a is None:
-                return runtime.empty((n,), np.int64, device, fill=0)
-            a = arrays.as_array(a, name, dtypes=arrays.INT64, ndim=1, device=device, writable=True)
-            a.fill(0)
-            return a
+                return runtime.empty((n,), np.int64, dev, fill=0)
+            return arrays.as_array(a, name, dtypes=arrays.INT64, ndim=1, device=dev, writable=True)
 
-        return cls(runtime.empty((capacity, VIOLATION_WORDS), np.int64, device, fill=0),
-                   given_or_new(head, "head", 1), given_or_new(counters, "counters", NUM_COUNTERS))
+        log = cls(ring, given_or_new(head, "head", 1), given_or_new(counters, "counters", NUM_COUNTERS))
+        for given, a in ((head, log.head), (counters, log.counter_array)):
+            if given is not None:
+                a.fill(0)
+        return log
 
     @classmethod
     def from_buffers(cls, *, ring, head, counters) -> "ViolationLog":
         """Wrap caller-owned int64 arrays (``[capacity, 10]``, ``[1]``, ``[6]``) after the
         constructor's checks."""
         return cls(ring, head, counters)
+
+    def __reduce__(self):
+        # A new log made by the constructor; the poll reader (host staging) is not carried.
+        return _log_of, (self.ring, self.head, self.counter_array, self._polled)
 
     @property
     def capacity(self) -> int:
@@ -268,6 +283,7 @@ class ViolationLog:
 
     def clear(self, stream=None) -> None:
         """Empty the ring (stream-ordered on CUDA). Counters keep counting."""
+        self._held.check()
         if isinstance(self.ring, np.ndarray):
             self.head[0] = 0
         else:
@@ -278,11 +294,24 @@ class ViolationLog:
             self._reader.reset()
 
     def reset_counters(self, stream=None) -> None:
+        self._held.check()
         if isinstance(self.counter_array, np.ndarray):
             self.counter_array[:] = 0
         else:
             with _on_stream(self.device, stream):
                 self.counter_array.fill(0)
+
+
+arrays.fix_attributes(ViolationLog, "make a new ViolationLog (ViolationLog.allocate or ViolationLog.from_buffers)",
+                      mutable=frozenset({"_polled", "_reader", "_window_start"}))
+
+
+def _log_of(ring, head, counters, polled: int) -> ViolationLog:
+    """A log over ``ring``, ``head``, ``counters`` whose rows before ``polled`` were handed out
+    by a poll (for unpickling)."""
+    log = ViolationLog(ring, head, counters)
+    log._polled = polled
+    return log
 
 
 def _on_stream(device: str, stream):

@@ -193,10 +193,13 @@ def test_plan_page_size_is_an_integer(xp, kw, name, exc):
         s.plan(**kw)
 
 
-def test_plan_with_a_huge_page_size_is_data_not_a_crash(xp):
+def test_plan_with_a_page_size_past_any_pool_is_refused_and_the_largest_is_data(xp):
     s = Step(xp)
-    pages = xp.asarray(np.array([[0] * 4, [2, 3, 4, 5]], np.int32))  # 2 * 2**62 does not fit int64
-    s.plan(block_table=pages, req_to_token=None, page_size=2 ** 62, prefix_lens=xp.asarray([1]))
+    pages = xp.asarray(np.array([[0] * 4, [2, 3, 4, 5]], np.int32))
+    with raises(ValueError, "page_size", "2**31"):  # 4 pages of 2**62 slots: no pool has such rows
+        s.plan(block_table=pages, req_to_token=None, page_size=2 ** 62, prefix_lens=xp.asarray([1]))
+    # 4 pages of 2**29 slots span 2**31 positions, the most a row may: a prefix past them is data
+    s.plan(block_table=pages, req_to_token=None, page_size=2 ** 29, prefix_lens=xp.asarray([2 ** 31 + 1]))
     assert s.vp.host_scalars()["input_errors"] == 1
 
 

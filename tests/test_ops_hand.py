@@ -168,11 +168,13 @@ def test_padding_rows_with_garbage_lengths_produce_nothing(xp, device, dtype):
     e.plan([0, 0, 0, 0], [-5, big, 7, np.iinfo(dtype).min], [big, -2, 3, 0])
     assert e.scalars() == dict(num_valid=0, enable=1, requested=0, input_errors=0, overflows=0, max_requested=0)
     assert host(e.vp.offsets).tolist() == [0] * 9
-    assert host(e.wp.offsets).tolist() == [0] * 9
-    assert host(e.wp.seed_slots).tolist() == [-1] * 8
-    assert int(host(e.wp.input_errors)[0]) == 0
+    # Row 0's length is no span: the layout after it is unknown, and no row stamps.
+    assert host(e.wp.offsets).tolist() == [0, 0, 0, 3] + [3] * 5
+    assert host(e.wp.seed_slots).tolist() == [kc.SEED_SKIP] * 4 + [-1] * 4
+    assert int(host(e.wp.input_errors)[0]) == 0  # padding rows: nothing live was skipped
     e.write([1, 2], [0, 1], [7, 8])
     assert (e.records() == 0).all()
+    assert e.rows() == []
 
 
 # --- SWA ------------------------------------------------------------------------------
@@ -272,7 +274,7 @@ def test_block_table_equals_token_table(xp, device, page):
     n = P[0] + P[2]
     want = [int(rt[1, p]) for p in range(P[0])] + [int(rt[2, p]) for p in range(P[2])]
     assert ent_b["slot_indices"][:n].tolist() == want
-    assert rest_b[2].tolist()[:3] == [int(rt[1, P[0] - 1]), -1, int(rt[2, P[2] - 1])]
+    assert rest_b[2].tolist()[:3] == [int(rt[1, P[0] - 1]), kc.SEED_SKIP, int(rt[2, P[2] - 1])]
     if page == 16:
         assert want[:17] == list(range(48, 64)) + [16]
 
@@ -465,18 +467,19 @@ def test_corrupt_fingerprint_field(two_requests):
                              expected_position=1)]
 
 
-def test_prev_slot_zero_skips_the_chain_check(xp, device):
+def test_a_prefix_on_slot_0_is_reported_and_its_successor_chain_unchecked(xp, device):
     e = env(xp, device)
     table = TABLE.copy()
-    table[1, 2] = 0  # position 2 parked on the padding slot
+    table[1, 2] = 0  # position 2 on the reserved slot: a live row's bookkeeping bug
     e.plan([1], [0], [4], req_to_token=arr(xp, table))
     e.write(TOK1[:4], range(4), table[1, :4])
     e.canary.records[ROW1[3], 2] = 77  # the record after the padding slot: its chain is unchecked
     e.plan([1], [4], [0], req_to_token=arr(xp, table))
     assert e.entries()["prev_slot_indices"][:4].tolist() == [-1, ROW1[0], ROW1[1], 0]
     e.verify()
-    assert e.rows() == []  # slot 0 skipped, its successor's chain not checked
-    assert e.log.counters()["slots_checked"] == 3
+    # Slot 0 is reported, never read; its successor's chain is not checked against it.
+    assert e.rows() == [vrow(tag=V, slot=0, bits=F.RESERVED_SLOT, batch_row=0, expected_position=2)]
+    assert e.log.counters()["slots_checked"] == 4
 
 
 # --- write-side checks ------------------------------------------------------------------
@@ -520,7 +523,7 @@ def test_write_chain_position_check(xp, device, on):
     assert got == ([(ROW2[2], 6, 5)] if on else [])
 
 
-@pytest.mark.parametrize("seed", [N, N + 3, -2, -(1 << 40)])
+@pytest.mark.parametrize("seed", [N, N + 3, -3, -(1 << 40)])
 def test_write_seed_out_of_range(xp, device, seed):
     e = env(xp, device)
     prefill(e, 1, 5, ROW1, TOK1)
@@ -718,7 +721,8 @@ def test_counters(xp, device):
     table[1, 1] = 0
     e.plan([1, 2], [4, 1], [0, 0], req_to_token=arr(xp, table))
     e.verify()
-    assert e.log.counters() == dict(zero, kernel_runs=2, slots_checked=4, slots_written=5, tokens_skipped=1)
+    # slot 0 is checked (and reported): a live row read it
+    assert e.log.counters() == dict(zero, kernel_runs=2, slots_checked=5, slots_written=5, tokens_skipped=1)
     e.log.reset_counters()
     assert e.log.counters() == zero
 

@@ -225,7 +225,7 @@ def test_plan_matches_scalar_model(xp, device, seed, page, use_swa, use_exp, dty
     swa_size, lut = None, None
     if use_swa:
         swa_size = int(rng.integers(1, 8))
-        n_lut = 30 * page + page if rng.random() < 0.8 else int(rng.integers(0, 30 * page + 4))
+        n_lut = 30 * page + page if rng.random() < 0.8 else int(rng.integers(1, 30 * page + 4))
         lut = rng.integers(0, 50, size=n_lut)
         lut[rng.random(n_lut) < 0.03] = -1
     exp = None

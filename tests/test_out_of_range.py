@@ -125,16 +125,18 @@ def test_page_slot_at_the_int64_limit(xp, device):
     check_plan(e, [1], [3], [0], good={}, errors=1, prior=2, swa=kc.SwaWindow(1, arr(xp, np.arange(N))), **kw)
 
 
-def test_huge_page_size_saturates_the_table_width(xp, device):
-    # 2 pages of 2**62 slots: the width, 2**63 positions, does not fit int64 and saturates to 2**63 - 1.
-    page = 1 << 62
+def test_the_widest_table_row_keeps_its_spans(xp, device):
+    # 2 pages of 2**30 slots: the widest row a table may have (2**31 positions). A span of the
+    # whole width is a span; one past it is not, and the rows after it stamp nothing.
+    page = 1 << 30
     bt = np.array([[0, 0], [1, 0], [2, 0]], dtype=np.int64)
     e = env(xp, device)
-    good = {0: ([page, page + 1], page + 1), 2: ([page], page)}
-    check_plan(e, [1, 2, 1, 1], [2, 1, 1, 1], [1, 0, I64_MAX - 1, I64_MAX], good=good, errors=2,
+    good = {0: ([page, page + 1], page + 1), 1: ([2 * page], -1), 2: ([page], page)}
+    check_plan(e, [1, 2, 1, 1], [2, 1, 1, 1], [1, 0, 2 * page - 1, 2 * page + 1], good=good, errors=1,
                block_table=arr(xp, bt), page_size=page)
-    # row 1: 2 * 2**62 does not fit; row 2 ends at 2**63 - 1, in the width; row 3 one past it
-    assert int(host(e.wp.offsets)[4]) == 1 + I64_MAX - 1
+    assert int(host(e.wp.offsets)[4]) == 1 + 2 * page - 1
+    with pytest.raises(ValueError, match="kvcanary: page_size"):
+        e.plan([1], [0], [1], block_table=arr(xp, bt), page_size=1 << 31)
 
 
 def test_lut_out_of_range(xp, device):

@@ -192,3 +192,19 @@ def test_monitor_reports_a_live_prefix_on_the_reserved_slot(xp, device, stamp):
     m.poll()
     assert [(v.request, v.slot, v.reasons, v.expected_position) for v in found] == [("R", 0, F.RESERVED_SLOT, 2)]
     assert m.stats()["slots_checked"] == 5
+
+
+def test_scatter_counts_the_rows_it_skips(xp, device):
+    table = xp.zeros((3, 4), dtype=xp.int64)
+    err = xp.zeros(1, dtype=xp.int64)
+    # rows: fine; padding; outside the table; span past the tokens; reversed span; negative row
+    kc.scatter_expected_tokens(table, tokens=xp.arange(1, 7), offsets=xp.asarray([0, 2, 2, 3, 9, 4, 1]),
+                               req_pool_indices=xp.asarray([1, 0, 7, 2, 2, -1]), input_errors=err)
+    assert host(table).tolist() == [[0] * 4, [1, 2, 0, 0], [0] * 4]
+    assert int(host(err)[0]) == 4
+    kc.scatter_expected_tokens(table, tokens=xp.arange(1, 7), offsets=xp.asarray([0, 0]),
+                               req_pool_indices=xp.asarray([2]), input_errors=err)  # an empty span
+    assert int(host(err)[0]) == 4
+    with pytest.raises(ValueError, match="kvcanary: input_errors"):
+        kc.scatter_expected_tokens(table, tokens=xp.arange(1, 7), offsets=xp.asarray([0, 0]),
+                                   req_pool_indices=xp.asarray([2]), input_errors=xp.zeros(2, dtype=xp.int64))

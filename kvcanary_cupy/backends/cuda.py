@@ -64,7 +64,7 @@ CHECK_FIELDS = (
 # plan_verify_write_step's argument (step.cu PlanVerifyWriteArgs): PLAN_FIELDS, then
 # CHECK_FIELDS with a ``c_`` prefix, then WRITE_FIELDS with a ``w_`` prefix.
 STEP_TOKENS = 256  # step.cu STEP_TOKENS: the most input tokens plan_verify_write stamps
-SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths")
+SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_pool_indices", "bs", "widths", "errors")
 MAX_UPDATE_TARGETS = 4  # scatter.cu
 UPDATE_FIELDS = (("words", "copy_to", "copy_words", "shift", "index", "value", "count")
                  + tuple(f"{f}{t}" for f in ("target", "target_len", "end") for t in range(MAX_UPDATE_TARGETS))
@@ -322,8 +322,10 @@ def _plan_values(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, p
              bs=bs, nreq=table.shape[0], twidth=table.shape[1], page=page_size, lut_len=-1, erows=-1,
              sync=_sync_state(owner, dev, stream), small_max=SMALL_PLAN_ENTRIES)
     if swa is not None:
-        v.update(lut=_ptr(swa.lut), lut_len=swa.lut.shape[0], swa_size=swa.size)
-        widths |= _wide(swa.lut) << 4
+        v.update(swa_size=swa.size)
+        if swa.lut is not None:
+            v.update(lut=_ptr(swa.lut), lut_len=swa.lut.shape[0])
+            widths |= _wide(swa.lut) << 4
     if expected is not None:
         et, evl = expected.table, expected.valid_lens
         v.update(etab=_ptr(et), evl=_ptr(evl), erows=et.shape[0], ewidth=et.shape[1], eoffset=expected.offset)
@@ -479,7 +481,7 @@ def prepare_verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample,
 
 
 # --- scatter_expected_tokens ---------------------------------------------------
-def prepare_scatter(table, *, tokens, offsets, req_pool_indices, stream=None) -> _Launch:
+def prepare_scatter(table, *, tokens, offsets, req_pool_indices, input_errors=None, stream=None) -> _Launch:
     """See :func:`kvcanary_cupy.ops.scatter_expected_tokens`; views already validated."""
     rt = _runtime()
     dev = _dev(table)
@@ -487,7 +489,7 @@ def prepare_scatter(table, *, tokens, offsets, req_pool_indices, stream=None) ->
     widths = _wide(table) | _wide(tokens) << 1 | _wide(offsets) << 2 | _wide(req_pool_indices) << 3
     v = dict(table=_ptr(table), nreq=table.shape[0], width=table.shape[1], tokens=_ptr(tokens),
              ntok=tokens.shape[0], offsets=_ptr(offsets), req_pool_indices=_ptr(req_pool_indices), bs=bs,
-             widths=widths)
+             widths=widths, errors=0 if input_errors is None else _ptr(input_errors))
     fn = rt.function("scatter", "kvc::scatter_expected_tokens", dev)
     return _Launch(SCATTER_FIELDS, fn, dev, v, max(1, min(bs, rt.sm_count(dev) * 4)))  # a block per row
 

@@ -424,13 +424,16 @@ def _batch_rows(vp, entries: np.ndarray) -> np.ndarray:
 
 
 # --- scatter_expected_tokens -------------------------------------------------
-def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices):
+def scatter_expected_tokens(table, *, tokens, offsets, req_pool_indices, input_errors=None):
     nreq, width = table.shape
     bs = req_pool_indices.shape[0]
     rp = req_pool_indices.astype(_I64)
     lo = offsets[:bs].astype(_I64)
     hi = offsets[1:bs + 1].astype(_I64)
-    ok = (rp != fmt.PADDING_REQ) & (rp > 0) & (rp < nreq) & (lo >= 0) & (hi <= tokens.shape[0]) & (hi > lo)
+    live = (rp != fmt.PADDING_REQ) & (hi != lo)
+    ok = live & (rp > 0) & (rp < nreq) & (lo >= 0) & (hi <= tokens.shape[0]) & (hi > lo)
+    if input_errors is not None:
+        input_errors[0] += int(np.count_nonzero(live & ~ok))
     n = np.where(ok, np.minimum(hi - lo, width), 0)
     row = np.repeat(np.arange(bs), n)
     col = np.arange(row.shape[0], dtype=_I64) - np.repeat(np.cumsum(n) - n, n)

@@ -40,7 +40,7 @@ def extremes(sides):
         ext = xp.asarray([big, 1, 1, big, 1])
         vp = kc.VerifyPlan.allocate(capacity=4, max_batch=5, device=dev)
         wp = kc.WritePlan.allocate(max_batch=5, device=dev)
-        lut = kc.SwaWindow(2, xp.zeros(0, dtype=xp.int64))
+        lut = kc.SwaWindow(2, xp.full(1, -1, dtype=xp.int64))  # every LUT entry unreadable
         et = kc.ExpectedTokens(xp.zeros((0, 3), xp.int64), xp.asarray([9, 9, 9, 9, 9]), 1)
         table = xp.asarray([[0, 0, 0], [5, 6, 7], [1 << 61, 3, 4]])
         for swa, exp, page in ((None, None, 1), (lut, None, 1), (None, et, 1), (None, None, 4)):

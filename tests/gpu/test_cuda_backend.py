@@ -112,7 +112,7 @@ def test_page_arithmetic_past_int64_matches_reference(cp):
         (8, [[0, 0], [1 << 61, 1], [3, 4], [(1 << 60) - 1, 0]]),  # 2**61 * 8 wraps to 0
         (4, [[0, 0], [(1 << 62) + 1, 2], [5, (1 << 62) + 3], [7, 8]]),  # wraps to 4.., 12..
         (3, [[0, 0], [(I64_MAX - 1) // 3, 0], [(I64_MAX - 1) // 3 + 1, 0], [1, 2]]),  # the int64 limit
-        (1 << 62, [[0, 0], [1, 0], [2, 0], [0, 1]]),  # 2 pages of 2**62: width 2**63 saturates
+        (1 << 30, [[0, 0], [1, 0], [2, 0], [0, 1]]),  # 2 pages of 2**30: the widest row a table may have
     ]
     for page, bt in cases:
         bt = np.array(bt, dtype=np.int64)

@@ -310,6 +310,9 @@ def write_inputs(c, rng, wp_offsets, wp_seeds, bs):
         a, b = int(wp_offsets[r]), int(wp_offsets[r + 1])
         if b <= a:
             continue
+        if int(wp_seeds[r]) == fmt.SEED_SKIP:  # a row that stamps nothing keeps its span: slots it must not stamp
+            loc[a:b] = rng.integers(0, N, size=b - a)
+            continue
         rp, P = int(c["rps"][r]), int(c["P"][r])
         row_slots = []
         for j in range(b - a):
