@@ -55,6 +55,8 @@ _WRITE_POSITION = int(fmt.FailReason.WRITE_POSITION)
 _TOKEN = int(fmt.FailReason.TOKEN)
 _SLOT_OOR = int(fmt.FailReason.SLOT_OUT_OF_RANGE)
 _INPUT_OOR = int(fmt.FailReason.INPUT_OUT_OF_RANGE)
+_RESERVED = int(fmt.FailReason.RESERVED_SLOT)
+_I64_MAX = (1 << 63) - 1
 
 
 def _torch():
@@ -392,8 +394,13 @@ def plan(vp: TorchVerifyPlan | None, wp: TorchWritePlan | None, *, req_pool_indi
     ok &= ~row_bad
     errors = (active & ~ok).sum()
     count = torch.where(ok, count, 0)
-    W = torch.where(ok, W, 0)
-    seed = torch.where(ok, seed, -1)
+    # Every row keeps its span of the step's tokens; after one whose length is no span, none stamps.
+    known = (E >= 0) & (E <= width)
+    W = torch.where(known, E, 0)
+    unknown = (~known).long()
+    stamps = ok & ((torch.cumsum(unknown, 0) - unknown) == 0)
+    unstamped = (active & ~stamps).sum()
+    seed = torch.where(stamps, seed, fmt.SEED_SKIP)
     if bool(dropped.any()):  # compact only when a row was dropped (rare)
         keep = ok[row_of]
         row_of, pos, slot, prev = row_of[keep], pos[keep], slot[keep], prev[keep]
@@ -429,7 +436,7 @@ def plan(vp: TorchVerifyPlan | None, wp: TorchWritePlan | None, *, req_pool_indi
         wp.seed_slots[:bs] = seed
         wp.seed_slots[bs:] = -1
         wp.num_rows.fill_(bs)
-        wp.input_errors.add_(errors)
+        wp.input_errors.add_(unstamped)
 
 
 # --- write ---------------------------------------------------------------------
@@ -444,7 +451,8 @@ def _position_check(torch, wp: TorchWritePlan, stored, poss, has_seed, seed_pos)
     in_row = before >= 0
     prev_p = torch.where(in_row, poss.gather(1, before.clamp(min=0)), seed_pos[:, None])
     chk = stored & (in_row | has_seed[:, None]) & (wp.position_check[0] != 0)  # no sync per call
-    return chk & (poss != prev_p + 1), torch.where(chk, prev_p + 1, -1)
+    # No position follows the largest: its successor wraps, as in the kernels.
+    return chk & ((poss != prev_p + 1) | (prev_p == _I64_MAX)), torch.where(chk, prev_p + 1, -1)
 
 
 def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, log: TorchLog, tag: int,
@@ -477,9 +485,10 @@ def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, l
     o0, o1 = offs[:-1], offs[1:]
     avail = min(int(a.shape[0]) for a in (input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
                 if a is not None)
-    span_bad = (o0 < 0) | (o1 > avail) | (o1 < o0)
-    seed_bad = ~span_bad & ((seeds < -1) | (seeds >= N))
-    live = ~span_bad & ~seed_bad & (o1 > o0)
+    skip = seeds == fmt.SEED_SKIP  # the plan skipped (and counted) the row
+    span_bad = ~skip & ((o0 < 0) | (o1 > avail) | (o1 < o0))
+    seed_bad = ~skip & ~span_bad & ((seeds < -1) | (seeds >= N))
+    live = ~skip & ~span_bad & ~seed_bad & (o1 > o0)
     lens = torch.where(live, o1 - o0, 0)
     blocks = []
     rows_idx = torch.arange(nrows, device=dev)
@@ -580,10 +589,11 @@ def verify(records, vp: TorchVerifyPlan, *, log: TorchLog, tag: int, sources=(),
     prev = vp.prev_slot_indices[:n]
     epos = vp.expected_positions[:n]
     etok = vp.expected_tokens[:n]
-    live = slot != fmt.RESERVED_SLOT
-    log.counters[fmt.CTR_SLOTS_CHECKED] += live.sum()
-    oor = live & ((slot < 0) | (slot >= N) | (prev < -1) | (prev >= N))
-    chk = live & ~oor
+    # Every entry is a live row's read: one at the reserved slot is reported, never read.
+    log.counters[fmt.CTR_SLOTS_CHECKED] += n
+    reserved = slot == fmt.RESERVED_SLOT
+    oor = ~reserved & ((slot < 0) | (slot >= N) | (prev < -1) | (prev >= N))
+    chk = ~reserved & ~oor
     s = torch.where(chk, slot, 0)
     rec = records[s]
     linked = chk & (prev > 0)
@@ -599,15 +609,16 @@ def verify(records, vp: TorchVerifyPlan, *, log: TorchLog, tag: int, sources=(),
     bits |= (fp_sel & (rec[:, fmt.FIELD_FINGERPRINT] != fp)).long() * _REAL_KV
     bits = torch.where(chk, bits, 0)
 
-    e = torch.nonzero(oor | (bits != 0)).squeeze(1)  # entry order
+    e = torch.nonzero(oor | reserved | (bits != 0)).squeeze(1)  # entry order
     if e.shape[0] == 0:
         return
-    o = oor[e]
+    o = oor[e] | reserved[e]  # not read
     r = rec[e]
     batch_row = torch.searchsorted(vp.offsets, e, right=True) - 1
     _append(log, _rows(
         torch, int(e.shape[0]), dev, tag=tag, slot=slot[e],
         position=torch.where(o, -1, r[:, fmt.FIELD_POSITION]), stored_token=torch.where(o, -1, r[:, fmt.FIELD_TOKEN]),
         expected_token=etok[e], stored_link=torch.where(o, 0, stored_link[e]),
-        expected_link=torch.where(o, 0, exp_link[e]), fail_bits=torch.where(o, _SLOT_OOR, bits[e]),
+        expected_link=torch.where(o, 0, exp_link[e]),
+        fail_bits=torch.where(reserved[e], _RESERVED, torch.where(o, _SLOT_OOR, bits[e])),
         batch_row=batch_row, expected_position=epos[e]))

@@ -122,7 +122,7 @@ def chains_of(chain: str) -> tuple[str, ...]:
 
 
 def clean_run(device: str, steps: int, seed: int, progress, chain: str = CHAINS[0]) -> dict:
-    out = {"steps": 0, "violations": 0, "input_errors": 0, "overflows": 0, "examples": [],
+    out = {"steps": 0, "violations": 0, "input_errors": 0, "rows_unstamped": 0, "overflows": 0, "examples": [],
            "slots_checked": 0, "sweep_entries": 0, "prefix_hits": 0}
     cfgs = [dataclasses.replace(c, chain=chain) for c in clean_configs(device, seed)]
     per = [steps // len(cfgs) + (i < steps % len(cfgs)) for i in range(len(cfgs))]
@@ -141,6 +141,7 @@ def clean_run(device: str, steps: int, seed: int, progress, chain: str = CHAINS[
         for mon in sim.monitors.values():
             s = mon.stats()
             out["input_errors"] += s["input_errors"]
+            out["rows_unstamped"] += s["rows_unstamped"]
             out["overflows"] += s["overflows"]
             out["slots_checked"] += s["slots_checked"]
             out["sweep_entries"] += s["sweep_entries"]
@@ -249,7 +250,8 @@ def _campaign(device: str, steps: int, injections: int, seed: int, chain: str, p
         med = "-" if res.median_steps is None else f"{res.median_steps:g}"
         progress(f"  [{fc.number:2d}/{len(FAULTS)}] {fc.name}: {res.detected}/{res.injected} detected, "
                  f"median {med} steps, {res.false_positives} false positives ({time.perf_counter() - t1:.1f} s)")
-    ok = clean["violations"] == 0 and clean["input_errors"] == 0 and all(c.ok for c in classes)
+    ok = (clean["violations"] == 0 and clean["input_errors"] == 0 and clean["rows_unstamped"] == 0
+          and all(c.ok for c in classes))
     return {"ok": ok, "seconds": round(time.perf_counter() - t0, 2), "clean": clean,
             "classes": [c.as_dict() for c in classes]}
 

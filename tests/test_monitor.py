@@ -223,9 +223,11 @@ def test_cpu_repair_reports_and_counts_each_overflow_and_bad_row_once():
         toy.mon.poll()
     msgs = [str(w.message) for w in got if issubclass(w.category, KvCanaryWarning)]
     assert len(msgs) == 2 and "asked for 3 entries, capacity 2; grown to 6" in msgs[0]
-    assert "1 batch row(s) of group 'main' had out-of-range plan input" in msgs[1]
+    assert "group 'main': 1 live batch row(s) had out-of-range plan input" in msgs[1]
+    assert "1 live batch row(s) stamped nothing" in msgs[1]
     s = toy.mon.stats()
     assert (s["overflows"], s["input_errors"], s["groups"]["main"]["max_requested"]) == (1, 1, 3)
+    assert s["rows_unstamped"] == 1
 
 
 def test_warmup_discards_overflow_and_input_error_counts(xp, device):

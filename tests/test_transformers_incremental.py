@@ -2,7 +2,7 @@
 every step of real engine runs (prefix sharing, CPU offload and restore, soft resets, forks,
 sliding windows, chunked prefills, requests finishing and rows reused), the rows the step reads
 equal what a rebuild from scratch out of the engine's own state gives: the block tables, the
-sliding windows, the expected tokens and the per-step arrays.
+sliding windows (and the positions each step writes), the expected tokens and the per-step arrays.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def step_mismatches(eng) -> list:
         for row, st, p, end in zip(rows, states, pre, ends):
             rid, got = st.request_id, g.table.host[row]
             if g.sliding:
-                lo, hi = max(p - g.window, 0), min(p, width)
+                lo, hi = max(p - g.window, 0), min(end, width)  # the window before p, and what the step writes
                 want = np.zeros(width, dtype=np.int32)
                 if hi > lo:
                     want[lo:hi] = g.slots_of(rid, np.arange(lo, hi))

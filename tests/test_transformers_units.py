@@ -124,11 +124,11 @@ def test_sliding_group_slides_and_follows_a_changed_ring():
     for p in range(3, 20):  # a position per step, the window sliding once full
         g.fill([1], ["a"], [p], [p + 1])
         lo = max(p - 6, 0)
-        assert np.flatnonzero(g.table.host[1]).tolist() == list(range(lo, p))
-        assert g.table.host[1, lo:p].tolist() == g.slots_of("a", np.arange(lo, p)).tolist()
+        assert np.flatnonzero(g.table.host[1]).tolist() == list(range(lo, p + 1))
+        assert g.table.host[1, lo:p + 1].tolist() == g.slots_of("a", np.arange(lo, p + 1)).tolist()
     blocks[0], blocks[1] = blocks[1], blocks[0]
     g.fill([1], ["a"], [20], [21])
-    assert g.table.host[1, 14:20].tolist() == g.slots_of("a", np.arange(14, 20)).tolist()
+    assert g.table.host[1, 14:21].tolist() == g.slots_of("a", np.arange(14, 21)).tolist()
     assert g.step_slots([20]) == g.slots_of("a", np.array([20])).tolist()
 
 
@@ -159,17 +159,18 @@ def test_full_group_row_is_the_page_table_plus_one():
     assert g.slots_of("a", np.array([0, 5, 11, 12])).tolist() == [16, 5, 35, 1]
 
 
-def test_sliding_group_row_holds_the_window_and_the_record_before_it():
+def test_sliding_group_row_holds_the_window_the_record_before_it_and_what_the_step_writes():
     # window 6, block size 4: a ring of 2 blocks (8 slots, 6 used); position p at ring index p % 6
     g = group({"a": [2, 5]}, window=6, width=32)
     g.fill(np.array([1]), ["a"], np.array([9]), np.array([10]))
     row = g.table.host[1]
-    assert np.flatnonzero(row).tolist() == [3, 4, 5, 6, 7, 8]  # positions 9 - 6 .. 8
+    assert np.flatnonzero(row).tolist() == [3, 4, 5, 6, 7, 8, 9]  # positions 9 - 6 .. 8, and 9 (written)
     expect = [(2 * BS + i) + BS if i < BS else (5 * BS + i - BS) + BS for i in (3, 4, 5, 0, 1, 2)]
     assert row[3:9].tolist() == expect
+    assert row[9] == expect[0] == 2 * BS + 3 + BS  # position 9 takes position 3's ring slot
     g.fill(np.array([1]), ["a"], np.array([10]), np.array([11]))  # the window slides by one
-    assert np.flatnonzero(g.table.host[1]).tolist() == [4, 5, 6, 7, 8, 9]
-    assert g.table.host[1, 9] == expect[0] == 2 * BS + 3 + BS  # position 9 took position 3's ring slot
+    assert np.flatnonzero(g.table.host[1]).tolist() == [4, 5, 6, 7, 8, 9, 10]
+    assert g.table.host[1, 10] == expect[1]
     assert g.slots_of("a", np.array([9])).tolist() == [expect[0]]
     g.forget_rows()  # the engine reset its requests: no row points anywhere
     assert not g.table.host.any()

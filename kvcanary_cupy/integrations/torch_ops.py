@@ -595,7 +595,7 @@ class TorchWritePlan:
 
     Args (all int64, writable, contiguous, on one device, none sharing memory):
         offsets: ``[max_batch + 1]``, exclusive prefix sums of tokens written per row.
-        seed_slots: ``[max_batch]``, the slot each row's chain continues from (-1: none).
+        seed_slots: ``[max_batch]``, the slot each row's chain continues from (-1: none; SEED_SKIP: the row stamps nothing).
         num_rows, input_errors, position_check: ``[1]`` device scalars (see
             :class:`~kvcanary_cupy.WritePlan`).
 
@@ -1013,7 +1013,7 @@ def plan(verify_plan: TorchVerifyPlan | None, write_plan: TorchWritePlan | None,
         >>> plan(vp, wp, req_pool_indices=torch.tensor([1, 0]), prefix_lens=torch.tensor([3, 7]),
         ...      extend_lens=torch.tensor([1, 9]), req_to_token=table)
         >>> vp.slot_indices[:3].tolist(), wp.seed_slots.tolist()
-        ([17, 18, 19], [19, -1])
+        ([17, 18, 19], [19, -2])
     """
     vp = _holder(verify_plan, TorchVerifyPlan, "verify_plan")
     wp = _holder(write_plan, TorchWritePlan, "write_plan")

@@ -14,6 +14,8 @@ with their KV through :mod:`kvcanary_cupy.transfer`.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from typing import Callable, Sequence
 
 import numpy as np
@@ -22,15 +24,72 @@ from .. import arrays, ops, runtime, scalars, transfer
 from ..canary import CanaryBuffer, RealKvSource
 from ..format import DEFAULT_CHAIN, NUM_COUNTERS, LaunchTag, RealKvMode, check_chain
 from ..plans import ExpectedTokens, SwaWindow, VerifyPlan, WritePlan, check_token_offset
-from ..violations import Violation, ViolationLog
+from ..violations import Violation
 from .group import SCALAR_WORDS, SwaGroup, main_group, swa_group
 from .inputs import StepInputs
 from .lifetime import Keepalive
 from .policy import Reporter, apply_policy, check_policy, stats_dict
-from .requests import RequestMap
+from .requests import MonitorLog, RequestMap
 from .steps import AfterStep, BeforeStep, StepCache
 from .swa import SwaTranslation
 from .sweep import SweepChain, SweepPlanner
+
+
+def _guarded(fn, name: str | None = None):
+    """Run the method as one call of the monitor: refused, before it does anything, while
+    another thread is inside a call or has a step open (see "Threads" in :class:`KvCanary`);
+    ``name``: how errors name the call (default: the method's name)."""
+    name = name or fn.__name__
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        guard = self._guard
+        guard.enter(name)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            guard.leave()
+    return call
+
+
+class _CallGuard:
+    """Which thread the monitor serves now: the one inside a call, and the one whose step is open."""
+
+    def __init__(self):
+        self._gate = threading.Lock()  # held only to check and claim, never across a call
+        self._inside = None  # ident of the thread inside a call
+        self._inside_call = None
+        self._depth = 0
+        self.step_thread = None  # ident of the thread whose step is open
+
+    def enter(self, name: str) -> None:
+        me = threading.get_ident()
+        with self._gate:
+            owner, inside = self.step_thread, self._inside
+            if owner is not None and owner != me:
+                raise RuntimeError(f"kvcanary: {name}: called from thread {_thread_name(me)} while the step "
+                                   f"thread {_thread_name(owner)} opened (before_forward) is open on this monitor; a "
+                                   f"step belongs to the thread that opened it: call the monitor from that thread, "
+                                   f"or after its after_forward() / abort_step()")
+            if inside is not None and inside != me:
+                raise RuntimeError(f"kvcanary: {name}: called from thread {_thread_name(me)} while thread "
+                                   f"{_thread_name(inside)} is inside {self._inside_call}() on this monitor; a "
+                                   f"monitor takes one call at a time: serialize the threads' calls (one lock "
+                                   f"around each step and poll)")
+            if inside is None:
+                self._inside, self._inside_call = me, name
+            self._depth += 1
+
+    def leave(self) -> None:
+        with self._gate:
+            self._depth -= 1
+            if self._depth == 0:
+                self._inside = self._inside_call = None
+
+
+def _thread_name(ident: int) -> str:
+    t = next((t for t in threading.enumerate() if t.ident == ident), None)
+    return repr(t.name) if t is not None else str(ident)
 
 
 class KvCanary:
@@ -44,7 +103,8 @@ class KvCanary:
 
     Args:
         num_slots: slots of the KV pool (the canary holds one record per slot;
-            slot 0 is the padding slot and is never verified).
+            slot 0 is the padding slot: never stamped, and a live row that reads it
+            is a RESERVED_SLOT violation).
         req_to_token: int32 / int64 ``[num_requests, max_len]``, token-level slot
             table (SGLang): ``req_to_token[rp, pos]`` is the slot of position
             ``pos`` of request-table row ``rp``. Row 0 is the padding row.
@@ -60,6 +120,14 @@ class KvCanary:
             and source) when sources are given, else NONE. ALL hashes
             ``read_bytes``; pair it with ``fingerprint_sample_period``.
         swa: :class:`SwaGroup`: also watch a sliding-window pool (its own canary).
+        window: the pool itself is a sliding window's (e.g. a sliding-window layer
+            group with a pool of its own): a step reads only the last ``window``
+            prefix positions of each row, and the table entry before them names the
+            record the window's first link continues (0 where the row has none: that
+            link is then not checked). Table entries outside are never read (0 is
+            fine); those inside must be slots of the pool (one that is not fails its
+            row as an out-of-range plan input, counted and warned about). Not with
+            ``swa``. See ``verify_after`` for a pool whose step overwrites its window.
         expected_tokens: int32 / int64 ``[num_requests, width]`` token ids each
             request must hold (-1: unknown), bound once, indexed like the slot
             table; turns on the token check. See ``before_forward``'s
@@ -74,6 +142,13 @@ class KvCanary:
             captured it: the graph keeps the arrays it captured).
         verify_after: verify the prefix a second time after the write (tag
             VERIFY_AFTER): catches corruption during the forward in the same step.
+            With ``window`` it verifies the window the step leaves instead,
+            positions ``[P + E - window, P + E)`` of each row (the table must then
+            map the positions the step writes too): in a pool that is a ring, the
+            engine reads the window and then writes its new tokens over the oldest
+            positions, so the prefix it read no longer exists after the step. That
+            check plans again (its input errors and overflows are counted as the
+            step's own are).
         fingerprint_sample_period: check fingerprints of ``1/period`` of the
             verified slots per step (a rotating residue class; every slot and
             layer covered over ``period`` steps). Chain, position and token
@@ -119,7 +194,7 @@ class KvCanary:
 
     Verify capacity: a step's verify entries are the prefix positions its active
     rows read, so they never exceed ``max_batch * per_row`` with ``per_row`` the
-    table width in positions (for the SWA group: ``min(width, window)``). Without
+    table width in positions (for a ``window`` and the SWA group: ``min(width, window)``). Without
     prefix sharing they also never exceed the slots of the pool, so ``"pool"``
     allocates ``min(max_batch * per_row, num_slots)`` (SWA: the SWA pool's slots).
     Requests that share a prefix each verify it, which can exceed that; such a
@@ -127,6 +202,20 @@ class KvCanary:
     ``stats()["overflows"]`` counts it and the plan grows (on the CPU at once, the
     same step; on CUDA at the next :meth:`poll`). ``"max"`` allocates the hard
     bound, which never overflows: use it under CUDA graphs.
+
+    Threads: a monitor is not shared by threads that step it at the same time. A step
+    (:meth:`before_forward` through :meth:`after_forward` or :meth:`abort_step`) belongs
+    to the thread that opened it, and the monitor takes one call at a time: a call from
+    another thread while a step is open, or while another thread is inside a call, is
+    refused with a ``kvcanary:`` :class:`RuntimeError` before it changes anything (take
+    turns under one lock, each step whole, to drive a monitor from several threads).
+    :meth:`stats` and the attributes may be read from any thread at any time.
+
+    The violation ``log`` is the monitor's: ``log.clear()`` empties it through the
+    monitor, which keeps mapping the rows that follow to their requests (rows not
+    polled before the clear are gone), and its rows are handed out by :meth:`poll`
+    (``log.poll()`` is refused; ``log.read()`` looks without consuming). With a
+    ``process_group`` every rank must clear alike, as every rank steps alike.
 
     Example::
 
@@ -153,7 +242,7 @@ class KvCanary:
                  fingerprint_sample_period: int | None = None, ring_capacity: int = 4096,
                  policy: str | Callable = "log", max_tokens: int | None = None, sweep_budget: int = 1024,
                  sweep_max_chains: int = 64, history: int = 256, process_group=None, chain: str = DEFAULT_CHAIN,
-                 stamp_before_forward: bool = False):
+                 stamp_before_forward: bool = False, window: int | None = None):
         self.chain = check_chain(chain, "chain")
         self.policy = check_policy(policy)
         kind, _ = runtime.parse_device(device)
@@ -172,9 +261,13 @@ class KvCanary:
                                                          minimum=1)
         if max_tokens is not None:
             max_tokens = scalars.check_int(max_tokens, "max_tokens", minimum=0)
+        if window is not None:
+            window = scalars.check_int(window, "window", minimum=1)
+            if swa is not None:
+                raise ValueError("kvcanary: window: a windowed pool is watched alone; pass window or swa, not both")
 
         # --- the slot table, bound once -------------------------------------
-        self._table_kw, table, self.page_size = ops.slot_table(req_to_token, block_table, page_size)
+        self._table_kw, table, self.page_size = ops.slot_table(req_to_token, block_table, page_size, num_slots)
         self.table = arrays.as_index_array(table, self._table_kw, ndim=2, device=self.device)
         width = min(int(self.table.shape[1]) * self.page_size, (1 << 63) - 1)
 
@@ -210,7 +303,7 @@ class KvCanary:
         self.main = main_group(num_slots=num_slots, device=self.device, max_batch=self.max_batch, width=width,
                                verify_capacity=verify_capacity, sources=srcs, mode=mode,
                                sample_period=fingerprint_sample_period, draft=draft, chain=self.chain,
-                               sc=polled[:SCALAR_WORDS])
+                               sc=polled[:SCALAR_WORDS], window=window)
         self.swa = None if swa is None else swa_group(swa, device=self.device, max_batch=self.max_batch, width=width,
                                                       mode=mode, sample_period=fingerprint_sample_period,
                                                       chain=self.chain, sc=polled[SCALAR_WORDS:2 * SCALAR_WORDS])
@@ -222,9 +315,9 @@ class KvCanary:
             from ..distributed import Agreement  # noqa: PLC0415  (imports PyTorch)
 
             send = Agreement.allocate_send(self.device)  # its word 1 is the log's head: sent without a copy
-        self.log = ViolationLog.allocate(capacity=ring_capacity, device=self.device,
-                                         head=polled[-1:] if send is None else send[1:],
-                                         counters=polled[2 * SCALAR_WORDS + history:-1])
+        self.log = MonitorLog.allocate(capacity=ring_capacity, device=self.device,
+                                       head=polled[-1:] if send is None else send[1:],
+                                       counters=polled[2 * SCALAR_WORDS + history:-1])
 
         # --- what a step hands work to ----------------------------------------
         self._keepalive = Keepalive(self.device)
@@ -259,8 +352,17 @@ class KvCanary:
         self._sweep_entries = 0
         self._steps = 0
         self._violations = 0
-        self._step_open = None  # (stream ptr, tokens checked) between before_ and after_forward
+        self._step_open = None  # (stream ptr, tokens checked, BeforeStep) between before_ and after_forward
         self._aborted = 0
+        self._record_errors = None  # record_tokens' skipped rows, a device scalar once it runs
+        self.window = window
+        # The window a step leaves, planned after its write (verify_after with a window).
+        self._after_rows = None if window is None or not self.verify_after else (
+            runtime.empty((self.max_batch,), np.int64, self.device, fill=0),
+            runtime.empty((self.max_batch,), np.int64, self.device, fill=0))
+        self._after_views: dict = {}  # batch size -> views of _after_rows
+        self._guard = _CallGuard()
+        self.log._own(self._clear_log)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -280,6 +382,7 @@ class KvCanary:
     def write_plan(self) -> WritePlan:
         return self.main.wp
 
+    @_guarded
     def bind_inputs(self, *, req_pool_indices=None, prefix_lens=None, extend_lens=None, input_ids=None,
                     positions=None, out_cache_loc=None, swa_out_cache_loc=None, expected_valid_lens=None) -> None:
         """Import the engine's persistent per-step input buffers once.
@@ -311,6 +414,7 @@ class KvCanary:
         if self.swa is not None and loc is not None:
             self._swa_map.reserve(int(loc.shape[0]), self.swa.swa.lut)
 
+    @_guarded
     def rebind(self, *, req_to_token=None, block_table=None, expected_tokens=None, swa_lut=None, real_kv=None,
                swa_real_kv=None) -> None:
         """Point the monitor at new arrays of the same geometry.
@@ -378,6 +482,7 @@ class KvCanary:
             g.sources = srcs
 
     # ------------------------------------------------------------------ warm-up
+    @_guarded
     def set_position_check(self, on: bool, stream=None) -> None:
         """Turn write's chain-position check on or off (a device write; captured graphs see it).
 
@@ -416,25 +521,39 @@ class KvCanary:
         finally:
             self.end_warmup(stream)
 
+    @_guarded
     def end_warmup(self, stream=None) -> None:
         """Discard warm-up results (violations, input errors, overflow counts, step count)
         and switch the position check on. Synchronizes: call it outside the hot path."""
         ptr = self._inputs.stream(stream)
         runtime.synchronize(self.device, ptr)
-        self.log.clear(stream=ptr)
+        self._clear_log(ptr)
         with runtime.on_stream(self.device, ptr):
             for g in self.groups:
                 g.reset_counters()
-            self._requests.restart()
-        if self._agreement is not None:
-            self._agreement.reset(ptr)
+        self._requests.forget_replays()
         self._reporter.reset()
         self.set_position_check(True, stream)
         runtime.synchronize(self.device, ptr)
         self._reader.reset()
         self._steps = 0
 
+    @functools.partial(_guarded, name="log.clear")
+    def _clear_log(self, stream=None) -> None:
+        """``log.clear()``: empty the ring and start the request map, the agreement's view of
+        the ring and the poll copy over with it, so the rows that follow map to their requests
+        (stream-ordered on CUDA, like the clear)."""
+        ptr = self._inputs.stream(stream)
+        self.log._clear_ring(stream=ptr)
+        with runtime.on_stream(self.device, ptr):
+            self._requests.cleared()
+        if self._agreement is not None:
+            self._agreement.reset(ptr)
+        self._reader.reset()  # the queued copy holds rows and head snapshots from before the clear
+        self._window_start = 0
+
     # ------------------------------------------------------------------ per step
+    @_guarded
     def before_forward(self, req_pool_indices=None, prefix_lens=None, extend_lens=None, *, batch_size=None,
                        expected_valid_lens=None, expected: ExpectedTokens | None = None, request_ids=None,
                        input_ids=None, positions=None, out_cache_loc=None, num_tokens=None, swa_out_cache_loc=None,
@@ -535,7 +654,8 @@ class KvCanary:
                 step.launches.put(stamp, (tuple((g, g.vp) for g in self.groups), tuple(rec.ops)))
         if not capturing:
             self._steps += 1
-        self._step_open = (ptr, step.check_tokens)
+        self._step_open = (ptr, step.check_tokens, step)
+        self._guard.step_thread = threading.get_ident()
 
     def _recordable(self, stamp: AfterStep | None, repair: bool) -> bool:
         """Whether a kept step's launches are the same op calls every time (then they are
@@ -641,6 +761,7 @@ class KvCanary:
         self._after_steps.clear()
         self._expected_with_bound = None
 
+    @_guarded
     def abort_step(self) -> None:
         """Close a step whose forward failed: nothing is stamped, ``stats()["aborted_steps"]``
         counts it, and the next :meth:`before_forward` may follow. The records the step did
@@ -661,9 +782,14 @@ class KvCanary:
         """
         if self._step_open is None:
             raise ValueError("kvcanary: abort_step: no step is open (before_forward() opens one)")
-        self._step_open = None
+        self._close_step()
         self._aborted += 1
 
+    def _close_step(self) -> None:
+        self._step_open = None
+        self._guard.step_thread = None
+
+    @_guarded
     def after_forward(self, input_ids=None, positions=None, out_cache_loc=None, *, num_tokens=None,
                       swa_out_cache_loc=None, expected_input_ids=None, expected_positions=None, stream=None) -> None:
         """Stamp the records of the tokens the step wrote, after the model wrote their K/V.
@@ -695,20 +821,20 @@ class KvCanary:
         """
         if self._step_open is None:
             raise ValueError("kvcanary: after_forward: expected a preceding before_forward() for this step")
-        ptr0, checked_tokens = self._step_open
+        ptr0, checked_tokens, before = self._step_open
         if self.stamp_before_forward:
             if any(x is not None for x in (input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
                                            expected_input_ids, expected_positions)):
                 raise ValueError("kvcanary: after_forward: this monitor stamps in before_forward "
                                  "(stamp_before_forward=True); pass the step's write inputs there")
-            self._step_open = None
+            self._close_step()
             return
         # Every argument of every group is imported and checked before the first launch, so a
         # misuse raises with no record changed (the step stays open: fix the call and repeat it).
         step = self._prepared_after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
                                     expected_input_ids, expected_positions)
         ptr = self._inputs.stream(stream, step.objs) if stream is not None or step.given else ptr0
-        self._step_open = None
+        self._close_step()
         if step.launches is not None:
             for launch in step.launches:
                 launch(ptr)
@@ -721,11 +847,27 @@ class KvCanary:
         else:
             self._write_step(step, ptr)
         if self.verify_after:
-            for g in self.groups:
+            for i, g in enumerate(self.groups):
+                if g is self.main and self._after_rows is not None:
+                    self._plan_left_window(g, before.groups[i][1], before.bs, ptr)
                 ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_after, real_kv=g.sources,
                            real_kv_mode=g.mode, check_tokens=checked_tokens, sample=g.sampler, stream=ptr)
         if self._agreement is not None:
             self._agreement.exchange(ptr)
+
+    def _plan_left_window(self, g, args: dict, bs: int, ptr) -> None:
+        """Plan, into ``g``'s verify plan, the window the step leaves: each row's prefix grown by
+        what the step wrote, nothing to write (see ``verify_after``)."""
+        rows = self._after_views.get(bs)
+        if rows is None:  # the same views every step of a batch size: the plan's prepared call is reused
+            rows = self._after_views[bs] = (self._after_rows[0][:bs], self._after_rows[1][:bs])
+        ends, none = rows
+        with runtime.on_stream(self.device, ptr):
+            self.xp.add(args["prefix_lens"][:bs], args["extend_lens"][:bs], out=ends)
+        repair = self._cpu and self.grow_on_overflow and g.may_overflow
+        grown = g.plan_verify_only(dict(args, prefix_lens=ends, extend_lens=none), repair=repair, stream=ptr)
+        if grown is not None:
+            self._reporter.repaired(g.name, *grown)
 
     def _prepared_after(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
                         expected_input_ids, expected_positions) -> AfterStep:
@@ -787,6 +929,7 @@ class KvCanary:
                          groups=tuple(groups), tokens=min(int(a.shape[0]) for a in given if a is not None))
 
     # ------------------------------------------------------------------ graphs
+    @_guarded
     def note_step(self, request_ids=None) -> None:
         """Count one replay of a captured step and name its batch rows.
 
@@ -807,6 +950,7 @@ class KvCanary:
         self._requests.replay(request_ids)
 
     # ------------------------------------------------------------------ sweep
+    @_guarded
     def sweep(self, chains: Sequence, *, group: str = "main", stream=None) -> int:
         """Verify the next slice of idle cached sequences; returns the records planned.
 
@@ -820,7 +964,10 @@ class KvCanary:
             group: ``"main"`` or ``"swa"`` (chains then hold SWA-pool slots).
             stream: CUDA stream.
 
-        Violations carry tag SWEEP and name the chain's ``key`` as the request.
+        Violations carry tag SWEEP and name the chain's ``key`` as the request. A sweep
+        may run while a step is open (between :meth:`before_forward` and
+        :meth:`after_forward`, on the step's stream): the step's later rows still name
+        its requests.
 
         Example::
 
@@ -841,6 +988,8 @@ class KvCanary:
         self._requests.sweep(ptr, keys)
         ops.verify(g.canary, self._sweep.plan, log=self.log, tag=LaunchTag.SWEEP,
                    real_kv=g.sources, real_kv_mode=g.mode, check_tokens=True, stream=ptr)
+        if self._step_open is not None:  # the rest of the open step's rows are its requests' again
+            self._requests.resume(ptr)
         self._sweeps += 1
         self._sweep_entries += n
         return n
@@ -853,6 +1002,7 @@ class KvCanary:
             raise ValueError(f"kvcanary: group: expected {names}, got {group!r}")
         return g
 
+    @_guarded
     def export_slots(self, slots, *, group: str = "main", stream=None):
         """The records of ``slots``, to travel with their KV (offload, disaggregation, another rank).
 
@@ -882,6 +1032,7 @@ class KvCanary:
         g = self._group(group)
         return transfer.export_records(g.canary, slots, stream=self._inputs.stream(stream))
 
+    @_guarded
     def import_slots(self, slots, records, *, group: str = "main", stream=None) -> None:
         """Write records that travelled with their KV into ``slots`` (any slots: where the KV landed).
 
@@ -919,6 +1070,7 @@ class KvCanary:
         self._keepalive.hold(records)  # the scatter may run after this call returns
 
     # ------------------------------------------------------------------ results
+    @_guarded
     def poll(self, stream=None, *, queue_next: bool = True) -> list[Violation]:
         """The violations found since the previous poll, mapped to request ids, after the policy ran.
 
@@ -955,7 +1107,7 @@ class KvCanary:
         # On CUDA the rows and scalars returned now were copied at an earlier poll.
         upto_seq, replay_now = self._requests.stage(now=self._cpu, queue=queue_next)
         scal = self._reader.take()
-        found = [] if scal is None else self.log.take_copied(int(scal[-2][0]), scal[-1],
+        found = [] if scal is None else self.log._take_copied(int(scal[-2][0]), scal[-1],
                                                              0 if self._cpu else self._window_start)
         if queue_next and not self._cpu:
             self._window_start, stop = self.log.copy_window()
@@ -983,7 +1135,7 @@ class KvCanary:
                 action = self._after_overflow(g, c["max_requested"], ptr)
                 self._reporter.overflowed(g.name, c["overflows"], max_requested=c["max_requested"], capacity=cap,
                                           action=action)
-            self._reporter.input_errors(g.name, c["input_errors"])
+            self._reporter.input_errors(g.name, c["input_errors"], c["rows_unstamped"])
 
     def _after_overflow(self, g, max_requested: int, ptr) -> str:
         """Grow ``g``'s verify plan to hold ``max_requested`` entries where that is safe; says what was done."""
@@ -996,6 +1148,7 @@ class KvCanary:
         self._keepalive.hold(g.vp)  # the step in flight may still read the old entries
         return f"grown to {g.grow(max_requested)}"
 
+    @_guarded
     def read(self) -> list[Violation]:
         """Every violation row the ring holds, mapped, without the policy (synchronizes)."""
         rows = self.log.read()
@@ -1009,7 +1162,9 @@ class KvCanary:
         replays noted), ``aborted_steps`` (closed by :meth:`abort_step`),
         ``violations`` (returned by poll), ``logged`` (appended
         to the ring), ``dropped`` (past the ring), ``overflows`` and
-        ``input_errors`` (all groups), the log's counters (``kernel_runs``,
+        ``input_errors`` (all groups: live rows not verified for out-of-range plan input),
+        ``rows_unstamped`` (all groups: live rows whose tokens were not stamped, see
+        :func:`kvcanary_cupy.plan`), the log's counters (``kernel_runs``,
         ``slots_checked``, ``slots_written``, ``verifies_skipped``,
         ``writes_skipped``, ``tokens_skipped``: see
         :meth:`ViolationLog.counters`), ``sweeps``, ``sweep_entries``, the
@@ -1017,8 +1172,11 @@ class KvCanary:
         group logged: every rank's checks' plus each divergence row once, as of
         the latest agreement), ``divergences`` (ranks found differing, summed over
         steps) and ``agreement_steps`` (all 0 without a ``process_group``), the
-        ``chain`` kind of the monitor's canaries, and per group ``groups[name]``
-        with ``capacity``, ``max_requested``, ``overflows``, ``input_errors``.
+        ``chain`` kind of the monitor's canaries, ``tokens_unrecorded_rows`` (rows of
+        :meth:`record_tokens` skipped: a table row or token span out of range), and per
+        group ``groups[name]``
+        with ``capacity``, ``max_requested``, ``overflows``, ``input_errors``,
+        ``rows_unstamped``.
 
         Example::
 
@@ -1036,13 +1194,17 @@ class KvCanary:
         for g, sc in zip(self.groups, now):
             c = g.counts(sc)
             per[g.name] = {"capacity": g.vp.capacity, "max_requested": c["max_requested"],
-                           "overflows": c["overflows"], "input_errors": c["input_errors"]}
+                           "overflows": c["overflows"], "input_errors": c["input_errors"],
+                           "rows_unstamped": c["rows_unstamped"]}
         agreement = None if self._agreement is None else self._agreement.stats(now[len(self.groups) + 2])
-        return stats_dict(steps=self._steps, aborted=self._aborted, violations=self._violations, log=self.log,
-                          groups=per, sweeps=self._sweeps, sweep_entries=self._sweep_entries, agreement=agreement,
-                          chain=self.chain)
+        out = stats_dict(steps=self._steps, aborted=self._aborted, violations=self._violations, log=self.log,
+                         groups=per, sweeps=self._sweeps, sweep_entries=self._sweep_entries, agreement=agreement,
+                         chain=self.chain)
+        out["tokens_unrecorded_rows"] = 0 if self._record_errors is None else int(runtime.to_host(self._record_errors)[0])
+        return out
 
     # ------------------------------------------------------------------ expected tokens
+    @_guarded
     def record_tokens(self, req_pool_indices, tokens, offsets, stream=None) -> None:
         """Write each request's token ids into the bound expected-token table, from position 0
         (:func:`kvcanary_cupy.scatter_expected_tokens`; the table must be writable).
@@ -1065,6 +1227,8 @@ class KvCanary:
         """
         if self.expected_table is None:
             raise ValueError("kvcanary: record_tokens: no expected_tokens table was bound at construction")
+        if self._record_errors is None:
+            self._record_errors = runtime.empty((1,), np.int64, self.device, fill=0)
         ops.scatter_expected_tokens(self.expected_table, tokens=tokens, offsets=offsets,
-                                    req_pool_indices=req_pool_indices,
+                                    req_pool_indices=req_pool_indices, input_errors=self._record_errors,
                                     stream=self._inputs.stream(stream, (tokens, offsets, req_pool_indices)))

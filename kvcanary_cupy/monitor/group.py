@@ -71,7 +71,9 @@ def capacity_rule(spec, *, max_batch: int, width: int, num_slots: int, window: i
         >>> capacity_rule("pool", max_batch=8, width=100, num_slots=500, window=None, name="verify_capacity")
         (500, 800)
     """
-    per_row = min(width, window) if window else width
+    # A healthy row reads each of its positions' slots once: never more than the pool holds.
+    # A step that asks for more is corrupt, and overflows (counted) rather than allocates for it.
+    per_row = min(width, window or width, num_slots)
     hard = max_batch * per_row
     if spec == "max":
         return max(hard, 1), hard
@@ -148,7 +150,8 @@ class Group:
         # Double past the request so a growing batch does not overflow again on the next step.
         new = max(2 * int(requested), 2 * self.vp.capacity, 1)
         if self.hard_capacity:
-            new = min(new, max(self.hard_capacity, int(requested)))
+            # Never past the hard bound: a request beyond it is corrupt and keeps overflowing, counted.
+            new = max(min(new, self.hard_capacity), self.vp.capacity)
         self.vp = self._verify_plan(new, offsets=self.vp.offsets)
         self.may_overflow = new < self.hard_capacity
         return new
@@ -171,6 +174,17 @@ class Group:
             return None
         return requested, capacity, self._replan(args, requested, stream)
 
+    def plan_verify_only(self, args: dict, *, repair: bool, stream) -> tuple[int, int, int] | None:
+        """:meth:`plan` into the verify plan alone: the write plan (the step's, already written
+        with) stays as it is."""
+        ops.plan(self.vp, None, stream=stream, **args)
+        if not repair:
+            return None
+        requested, capacity = int(self.vp.requested[0]), self.vp.capacity
+        if requested <= capacity:
+            return None
+        return requested, capacity, self._replan(args, requested, stream)
+
     def _replan(self, args: dict, requested: int, stream) -> int:
         """Grow the verify plan for ``requested`` entries and plan its entries again (CPU); the
         counters the first plan kept (input errors, overflows, largest request) stay as they
@@ -189,21 +203,24 @@ class Group:
 
     @staticmethod
     def counts(sc: np.ndarray) -> dict:
-        """``overflows``, ``input_errors`` (the verify plan's) and ``max_requested`` from a host
-        copy of :attr:`sc`."""
+        """``overflows``, ``input_errors`` (the verify plan's: live rows not verified),
+        ``rows_unstamped`` (the write plan's: live rows whose tokens were not stamped) and
+        ``max_requested`` from a host copy of :attr:`sc`."""
         return {"overflows": int(sc[_AT["verify", "overflows"]]), "input_errors": int(sc[_AT["verify", "input_errors"]]),
+                "rows_unstamped": int(sc[_AT["write", "input_errors"]]),
                 "max_requested": int(sc[_AT["verify", "max_requested"]])}
 
 
 def main_group(*, num_slots: int, device: str, max_batch: int, width: int, verify_capacity, sources, mode,
-               sample_period, draft: bool, chain: str, sc=None) -> Group:
-    """The full pool's group (``sc``: see :class:`Group`)."""
+               sample_period, draft: bool, chain: str, sc=None, window: int | None = None) -> Group:
+    """The full pool's group (``sc``: see :class:`Group`; ``window``: see :class:`KvCanary`)."""
     cap, hard = capacity_rule(verify_capacity, max_batch=max_batch, width=width, num_slots=num_slots,
-                              window=None, name="verify_capacity")
+                              window=window, name="verify_capacity")
     tags = ((LaunchTag.VERIFY_DRAFT, LaunchTag.WRITE_DRAFT, LaunchTag.VERIFY_AFTER) if draft else
             (LaunchTag.VERIFY, LaunchTag.WRITE, LaunchTag.VERIFY_AFTER))
+    swa = None if window is None else SwaWindow(window)  # the pool's own slots: no translation
     return Group("main", num_slots=num_slots, device=device, max_batch=max_batch, capacity=cap, hard_capacity=hard,
-                 swa=None, sources=sources, mode=mode, sample_period=sample_period, tags=tags, chain=chain,
+                 swa=swa, sources=sources, mode=mode, sample_period=sample_period, tags=tags, chain=chain,
                  sc=sc)
 
 

@@ -79,7 +79,7 @@ class Reporter:
 
     def reset(self) -> None:
         """Forget what was reported (the device counters were zeroed too)."""
-        self._seen = {g: {"overflows": 0, "input_errors": 0} for g in self._groups}
+        self._seen = {g: {"overflows": 0, "input_errors": 0, "rows_unstamped": 0} for g in self._groups}
         self._writes_skipped = 0
 
     def writes_skipped(self, counters) -> None:
@@ -108,13 +108,22 @@ class Reporter:
              f"capacity {capacity}; grown to {grown} and planned again")
         self._seen[group]["overflows"] += 1
 
-    def input_errors(self, group: str, count: int) -> None:
-        """Warn about batch rows dropped for out-of-range plan input."""
-        seen = self._seen[group]["input_errors"]
-        if count > seen:
-            warn(f"kvcanary: {count - seen} batch row(s) of group '{group}' had out-of-range plan input "
-                 "(request row, lengths or a table/LUT entry); they were neither verified nor stamped")
-            self._seen[group]["input_errors"] = count
+    def input_errors(self, group: str, count: int, unstamped: int) -> None:
+        """Warn about batch rows dropped for out-of-range plan input (``count``: not verified,
+        ``unstamped``: not stamped, both cumulative)."""
+        seen = self._seen[group]
+        new, new_unstamped = count - seen["input_errors"], unstamped - seen["rows_unstamped"]
+        if new > 0 or new_unstamped > 0:
+            text = f"kvcanary: group '{group}': "
+            if new > 0:
+                text += (f"{new} live batch row(s) had out-of-range plan input (request row, lengths or a "
+                         f"table/LUT entry) and were not verified (stats()['input_errors']); ")
+            if new_unstamped > 0:
+                text += (f"{new_unstamped} live batch row(s) stamped nothing: their own input was out of range, "
+                         f"or they came after a row whose extend length is no span of the step's tokens "
+                         f"(stats()['rows_unstamped'])")
+            warn(text.rstrip("; "))
+            seen["input_errors"], seen["rows_unstamped"] = count, unstamped
 
 
 AGREEMENT_STATS = ("group_violations", "divergences", "agreement_steps")
@@ -123,7 +132,7 @@ AGREEMENT_STATS = ("group_violations", "divergences", "agreement_steps")
 def stats_dict(*, steps: int, aborted: int, violations: int, log, groups: dict, sweeps: int,
                sweep_entries: int, agreement: dict | None = None, chain: str) -> dict:
     """The dict :meth:`KvCanary.stats` returns; ``groups`` maps each group's name to its
-    ``capacity``, ``max_requested``, ``overflows`` and ``input_errors``; ``agreement`` holds
+    ``capacity``, ``max_requested``, ``overflows``, ``input_errors`` and ``rows_unstamped``; ``agreement`` holds
     the tensor-parallel counters (None: no process group, all 0); ``chain`` is the monitor's
     chain kind."""
     agreement = agreement if agreement is not None else dict.fromkeys(AGREEMENT_STATS, 0)
@@ -131,5 +140,6 @@ def stats_dict(*, steps: int, aborted: int, violations: int, log, groups: dict, 
             "dropped": log.dropped,
             "overflows": sum(p["overflows"] for p in groups.values()),
             "input_errors": sum(p["input_errors"] for p in groups.values()),
+            "rows_unstamped": sum(p["rows_unstamped"] for p in groups.values()),
             **log.counters(), "sweeps": sweeps, "sweep_entries": sweep_entries,
             **{k: agreement[k] for k in AGREEMENT_STATS}, "chain": chain, "groups": groups}

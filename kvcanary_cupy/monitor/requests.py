@@ -12,6 +12,12 @@ A step that names no requests needs no sequence of its own when the newest one
 names none either: its rows then fall in that sequence and map to no request,
 exactly as in their own. Such a step records nothing (no snapshot copy); an engine
 that never names requests pays nothing here.
+
+A sweep inside an open step starts a sequence of its own, so the step's later rows
+get a sequence again, with the step's ids (:meth:`RequestMap.resume`). A clear of the
+log restarts the ring's indices: the map forgets every older sequence and counts the
+newest one's rows from index 0 (:meth:`RequestMap.cleared`), which is why the
+monitor's log routes its ``clear()`` through the monitor (:class:`MonitorLog`).
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ class RequestMap:
         self._replay_ids: collections.OrderedDict = collections.OrderedDict()
         self._staged_replay = 0
         self._named = False  # whether rows of the newest sequence may name requests
+        self._last_step = (None, False)  # (request ids, capturing) of the latest step, for resume()
         if not self._cpu:
             # The head snapshot is one 8-byte device-to-device copy per step, queued straight on
             # the step's stream: no CuPy operation (a kernel, views, stream switches) on the hot
@@ -91,6 +98,7 @@ class RequestMap:
         """Open a step's sequence (before its first launch); returns its number, or None when
         the step needs none (it names no requests, nor does the newest sequence, and no graph
         was captured: see the module docstring)."""
+        self._last_step = (request_ids, capturing)
         if request_ids is None and not (capturing or self._named or self._captured_seqs):
             return None
         seq = self._next_seq(ptr)
@@ -107,6 +115,17 @@ class RequestMap:
         self._named = True
         return seq
 
+    def resume(self, ptr) -> int:
+        """After a sweep inside an open step: a sequence for the step's rows that follow, with
+        the step's request ids (its own sequence, if it had one, is older than the sweep's)."""
+        ids, capturing = self._last_step
+        seq = self._next_seq(ptr)
+        if capturing:
+            self._captured_seqs.add(seq)
+        self._remember(self._ids, seq, ids)
+        self._named = capturing or ids is not None
+        return seq
+
     def replay(self, request_ids) -> None:
         """Count one replay of a captured step, whose batch rows are ``request_ids``."""
         self.replays += 1
@@ -121,11 +140,14 @@ class RequestMap:
             self._staged_seq, self._staged_replay = self.seq, self.replays
         return out
 
-    def map_rows(self, found: list[Violation], heads: np.ndarray, upto_seq: int, replay_now: int) -> list:
+    def map_rows(self, found: list[Violation], heads: np.ndarray, upto_seq: int, replay_now: int,
+                 first: int | None = None) -> list:
         """Name each row's request: find the launch that wrote it from the head snapshots.
-        The rows are the next ones of the ring after those mapped before."""
-        first = self._rows_seen
-        self._rows_seen += len(found)
+        The rows are the next ones of the ring after those mapped before (``first``: they
+        start at that ring index instead, and count as mapped by no poll)."""
+        if first is None:
+            first = self._rows_seen
+            self._rows_seen += len(found)
         if not found:
             return []
         seqs = [q for q in self._ids if (q >= self._min_seq or q in self._captured_seqs) and q <= upto_seq
@@ -146,17 +168,71 @@ class RequestMap:
 
     def map_ring(self, rows: list[Violation], heads: np.ndarray) -> list:
         """Every row of the ring, from its start, mapped; what polls have returned is unchanged."""
-        seen, self._rows_seen = self._rows_seen, 0
-        try:
-            return self.map_rows(rows, heads, self.seq, self.replays)
-        finally:
-            self._rows_seen = seen
+        return self.map_rows(rows, heads, self.seq, self.replays, first=0)
 
-    def restart(self) -> None:
-        """The ring was cleared: older snapshots mean nothing now (queue it on the monitor's stream)."""
+    def cleared(self) -> None:
+        """The ring was cleared: its indices start again from 0 (queue it on the monitor's stream,
+        after the clear). Older sequences' rows are gone and their snapshots mean nothing now;
+        rows after the clear and before the next sequence (the rest of an open step) belong to
+        the newest one, from index 0."""
         self.heads.fill(0)
         self._rows_seen = 0
-        self._min_seq = self.seq + 1
+        self._min_seq = max(self.seq, 1)
         self._staged_seq = self.seq
+
+    def forget_replays(self) -> None:
+        """Count replays from 0 again (the warm-up's are discarded with its results)."""
         self.replays = 0
         self._staged_replay = 0
+
+
+class MonitorLog(ViolationLog):
+    """A monitor's :class:`ViolationLog`: its ``clear()`` goes through the monitor, which
+    maps every row to a request by its ring index, and its rows are handed out by the
+    monitor's ``poll()`` (a ``poll()`` here would take them from under the monitor).
+
+    A log no monitor owns (``_cleared`` unset) behaves as a plain :class:`ViolationLog`.
+
+    Example::
+
+        >>> log = MonitorLog.allocate(capacity=4)
+        >>> log.clear(); log.count
+        0
+    """
+
+    _cleared = None  # the owning monitor's clear: empties the ring, then restarts the request map
+
+    def clear(self, stream=None) -> None:
+        """Empty the ring (stream-ordered on CUDA), through the owning monitor."""
+        if self._cleared is None:
+            super().clear(stream)
+        else:
+            self._cleared(stream)
+
+    def _own(self, cleared) -> None:
+        """Route ``clear()`` to the owning monitor's ``cleared(stream)`` (set once, at its construction)."""
+        object.__setattr__(self, "_cleared", cleared)  # past the log's fixed attributes: bookkeeping, no array
+
+    def _clear_ring(self, stream=None) -> None:
+        super().clear(stream)
+
+    def poll(self, stream=None, *, queue_next: bool = True) -> list[Violation]:
+        """Refused: the owning monitor's ``poll()`` hands out this log's rows."""
+        if self._cleared is None:
+            return super().poll(stream, queue_next=queue_next)
+        raise _taken_by_monitor("poll")
+
+    def take_copied(self, head: int, rows: np.ndarray, start: int) -> list[Violation]:
+        """Refused: the owning monitor's ``poll()`` hands out this log's rows."""
+        if self._cleared is None:
+            return super().take_copied(head, rows, start)
+        raise _taken_by_monitor("take_copied")
+
+    def _take_copied(self, head: int, rows: np.ndarray, start: int) -> list[Violation]:
+        return super().take_copied(head, rows, start)
+
+
+def _taken_by_monitor(name: str) -> RuntimeError:
+    return RuntimeError(f"kvcanary: log.{name}: this log belongs to a KvCanary, whose poll() hands out its rows "
+                        "mapped to their requests; call the monitor's poll() (log.read() reads the ring without "
+                        "consuming it)")

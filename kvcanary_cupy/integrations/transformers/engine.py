@@ -11,7 +11,9 @@ requests, deliver outputs). The adapter wraps, on the engine's instances:
   and verify every slot the step reads (``before_forward``);
 - ``model_runner.compute_batch``: after the forward is queued, stamp every slot
   the step wrote (``after_forward``, slots from the engine's write index) and
-  queue a poll;
+  queue a poll (with ``stamp_before_forward`` the slots are stamped before the
+  forward, beside the verify: the engine has set the step's tokens, positions and
+  write index by then);
 - ``update_batch``: before it, read that poll's copy (the engine's sync has
   completed it on CUDA; nothing more is queued, so a step costs one copy):
   violations of this step are handled before the engine appends the step's
@@ -134,11 +136,15 @@ class EngineCanary:
         # verify it); a larger step grows the plan.
         kwargs.setdefault("verify_capacity", max(1, min(self.max_batch * self.max_len, 2 * self.slot_map.num_slots)))
         self.sampled = (kwargs.get("fingerprint_sample_period") or 1) > 1
+        self.stamp_first = bool(kwargs.get("stamp_before_forward"))
         tokens = int(cache.max_batch_tokens)
         self._write_index = io.write_index_storage.numpy() if self.cpu else io.write_index_storage
         for g in self.groups:
             g.loc = np.zeros(tokens, np.int64) if self.cpu else _torch_zeros(tokens, self.device)
-            table = dict(req_to_token=g.table.array) if g.sliding else dict(block_table=g.table.array, page_size=bs)
+            # A sliding group reads the window - 1 positions before a step from its ring, before the
+            # step writes into it; the table maps the one before those and the step's own (see .groups).
+            table = (dict(req_to_token=g.table.array, window=_read_window(g)) if g.sliding else
+                     dict(block_table=g.table.array, page_size=bs))
             g.monitor = KvCanary(num_slots=self.slot_map.num_slots, max_batch=self.max_batch, device=self.device,
                                  real_kv=sources, policy=_quiet, **table, **kwargs)
             g.monitor.bind_inputs(req_pool_indices=self.steps.device_view("rows"),
@@ -308,12 +314,30 @@ class EngineCanary:
         tags = request_tags(rids, self.step)
         exp = self.expected.tokens()
         self.open = True  # before the first monitor opens its step: a failure below aborts them all
+        if self.stamp_first:
+            n = self._write_slots()
+            for g in self.groups:
+                g.monitor.before_forward(batch_size=bs, expected=exp, request_ids=tags, num_tokens=n,
+                                         stream=self.ptr)
+            return
         for g in self.groups:
             g.monitor.before_forward(batch_size=bs, expected=exp, request_ids=tags, stream=self.ptr)
 
     def after_forward(self) -> None:
-        """Stamp the records of the slots the forward wrote (the engine's write index, shifted)."""
+        """Stamp the records of the slots the forward wrote (the engine's write index, shifted),
+        or, stamped before the forward, close the monitors' steps."""
+        if self.stamp_first:
+            self.open = False
+            for g in self.groups:
+                g.monitor.after_forward(stream=self.ptr)
+            return
+        n = self._write_slots()
         self.open = False
+        for g in self.groups:
+            g.monitor.after_forward(num_tokens=n, stream=self.ptr)
+
+    def _write_slots(self) -> int:
+        """Put the slots the step writes in every group's loc; returns the step's token count."""
         io = self.io
         n = int(io.total_seqlen_q)
         fast = bool(io.use_block_table)
@@ -323,8 +347,7 @@ class EngineCanary:
                                  f"slots for {n} tokens")
         for g in self.groups:
             self._written_slots(g, n, fast)
-        for g in self.groups:
-            g.monitor.after_forward(num_tokens=n, stream=self.ptr)
+        return n
 
     def after_forward_and_poll(self) -> None:
         """:meth:`after_forward`, then :meth:`poll` (queues the copy the update's poll reads on CUDA)."""
@@ -424,6 +447,14 @@ class EngineCanary:
         self._write_index = None
         self.moves.clear()
         return final
+
+
+def _read_window(g) -> int:
+    """The positions a sliding group's step reads from its cache: the window less the token itself."""
+    if g.window < 2:
+        raise ValueError(f"kvcanary: layer group {g.index}: a sliding window of {g.window} reads no cached token; "
+                         "watch() needs a window of at least 2")
+    return g.window - 1
 
 
 def _loc_copies(eng, g) -> tuple:

@@ -7,10 +7,12 @@ block ``p // block_size``); a sliding-window group of window ``W`` keeps a ring 
 different groups never overlap, and every layer of a group stores its K/V in the
 same rows of its own cache tensors, so each group gets its own monitor over the
 shared row space: a page table for a full group, a token table for a sliding
-group whose entries outside the window are 0 (slot 0 is never verified). The
-sliding group reads the ``W - 1`` positions before a step's first token; its
-table also holds the one before those, whose record the window's first link
-continues.
+group whose entries outside the window are 0. The sliding group reads the
+``W - 1`` positions before a step's first token (its monitor's ``window``), from
+its ring before the step writes into it; its table also holds the one before
+those, whose record the window's first link continues, and the positions the
+step writes: after the write, the ring holds the ``W`` positions up to the
+step's last one, the window the next step (and a check after the write) reads.
 
 A table row is a function of the block list it was written from (and, for a
 sliding group, of its window): each row keeps a copy of that list, and a step
@@ -58,7 +60,7 @@ class LayerGroup:
         self.loc = None  # the canary slots the step wrote (the monitor's bound out_cache_loc)
         rows = table.host.shape[0]
         self._seen: list = [None] * rows  # per row: a copy of the block list the row was written from
-        self._prefix = [0] * rows  # sliding: the prefix each row's window was written for (see _window)
+        self._span = [(0, 0)] * rows  # sliding: the positions [lo, hi) each row maps (see _window)
         self._step_rows: list = []
 
     @property
@@ -80,7 +82,7 @@ class LayerGroup:
         lists = list(map(self.allocator.block_table.get, request_ids, itertools.repeat(())))
         self._step_rows = rows
         if self.sliding:
-            self._fill_windows(rows, lists, prefix)
+            self._fill_windows(rows, lists, prefix, ends)
         else:
             self._fill_pages(rows, lists, ends)
 
@@ -125,77 +127,79 @@ class LayerGroup:
             owner, cols = spans(have, need)
             self.table.put(rows[owner], cols, 0)
 
-    def _window(self, prefix: int) -> tuple[int, int]:
-        """The positions ``[lo, hi)`` a sliding group's row holds before writing ``prefix``."""
+    def _window(self, prefix: int, end: int) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` a sliding group's row maps for a step that reads before
+        ``prefix`` and writes up to ``end``: the ``window`` before ``prefix`` and those written."""
         lo = prefix - self.window if prefix > self.window else 0
-        return lo, max(min(prefix, self.table.width), lo)
+        return lo, max(min(end, self.table.width), lo)
 
-    def _fill_windows(self, rows: list, lists: list, prefix: list) -> None:
-        """Sliding group: each row holds the slots of positions ``[prefix - window, prefix)``, 0 elsewhere.
+    def _fill_windows(self, rows: list, lists: list, prefix: list, ends: list) -> None:
+        """Sliding group: each row maps the positions ``[prefix - window, end)``, 0 elsewhere.
 
-        A row whose block list is unchanged and whose window moved a little gets the
+        A row whose block list is unchanged and whose span moved a little gets the
         positions that left (0) and entered (their slots); the others are rewritten. The
-        common step, a window one position further (a decode step), is written inline:
-        the position the previous step wrote enters, and once the window is full the one
-        ``window`` before it leaves (both at the same ring index).
+        common step, a span one position further (a decode step), is written inline: the
+        position the step writes enters, and once the window is full the oldest leaves.
         """
-        seen, at = self._seen, self._prefix
+        seen, span = self._seen, self._span
         w, width = self.window, self.table.width
         bs, shift = self.slot_map.block_size, self.slot_map.shift
         flat, values, stale = [], [], []
-        for i, (row, blocks, p) in enumerate(zip(rows, lists, prefix)):
+        for i, (row, blocks, p, e) in enumerate(zip(rows, lists, prefix, ends)):
             same = blocks == seen[row]
-            if same and at[row] == p - 1 and p <= width:
-                k, off = divmod((p - 1) % w, bs)
+            lo, hi = self._window(p, e)
+            old_lo, old_hi = span[row]
+            if same and hi == old_hi + 1 and old_lo <= lo <= min(old_lo + 1, old_hi):
+                k, off = divmod(old_hi % w, bs)
                 if k < len(blocks):
-                    base = row * width + p - 1
-                    flat.append(base)
+                    base = row * width
+                    flat.append(base + old_hi)
                     values.append(blocks[k] * bs + off + shift)
-                    if p > w:
-                        flat.append(base - w)
+                    if lo > old_lo:
+                        flat.append(base + old_lo)
                         values.append(0)
-                    at[row] = p
+                    span[row] = (lo, hi)
                     continue
-            lo, hi = self._window(p)
-            old_lo, old_hi = self._window(at[row])
             if same and lo == old_lo and hi == old_hi:
                 continue
             if not same or abs(lo - old_lo) + abs(hi - old_hi) > _SLIDE_MAX:
                 stale.append(i)
                 continue
             base = row * width
-            for pos in (*range(old_lo, min(old_hi, lo)), *range(max(old_lo, hi), old_hi)):  # left the window
+            for pos in (*range(old_lo, min(old_hi, lo)), *range(max(old_lo, hi), old_hi)):  # left the span
                 flat.append(base + pos)
                 values.append(0)
             for pos in (*range(lo, min(hi, old_lo)), *range(max(lo, old_hi), hi)):  # entered it
                 flat.append(base + pos)
                 values.append(self._ring_slot(blocks, pos))
-            at[row] = p
+            span[row] = (lo, hi)
         if flat:
             self.table.put_list(flat, values)
         if stale:
-            self._write_windows([rows[i] for i in stale], [lists[i] for i in stale], [prefix[i] for i in stale])
+            self._write_windows([rows[i] for i in stale], [lists[i] for i in stale], [prefix[i] for i in stale],
+                                [ends[i] for i in stale])
 
-    def _write_windows(self, rows: list, lists: list, prefix: list) -> None:
-        """Rewrite whole windows: 0 where a row's previous window no longer reaches, the slots of the new one."""
+    def _write_windows(self, rows: list, lists: list, prefix: list, ends: list) -> None:
+        """Rewrite whole spans: 0 where a row's previous span no longer reaches, the slots of the new one."""
         blocks, first, count = flatten(lists)
-        old_lo, old_hi = self._windows([self._prefix[r] for r in rows])
-        lo, hi = self._windows(prefix)
-        for r, blk, p in zip(rows, lists, prefix):
-            self._prefix[r] = p
+        old = np.array([self._span[r] for r in rows], dtype=np.int64).reshape(-1, 2)
+        old_lo, old_hi = old[:, 0], old[:, 1]
+        lo, hi = self._windows(prefix, ends)
+        for r, blk, a, b in zip(rows, lists, lo.tolist(), hi.tolist()):
+            self._span[r] = (a, b)
             self._seen[r] = list(blk)
         rows = np.array(rows, dtype=np.int64)
         for a, b in ((old_lo, np.minimum(old_hi, lo)), (np.maximum(old_lo, hi), old_hi)):
-            owner, cols = spans(a, b)  # positions that left the window
+            owner, cols = spans(a, b)  # positions that left the span
             self.table.put(rows[owner], cols, 0)
         owner, pos = spans(lo, hi)
         self.table.put(rows[owner], pos, self._ring_slots(blocks, first[owner], count[owner], pos))
 
-    def _windows(self, prefix) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_window` of each prefix, as int64 arrays ``(lo, hi)``."""
+    def _windows(self, prefix, ends) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_window` of each row, as int64 arrays ``(lo, hi)``."""
         prefix = np.asarray(prefix, dtype=np.int64)
         lo = np.maximum(prefix - self.window, 0)
-        return lo, np.maximum(np.minimum(prefix, self.table.width), lo)
+        return lo, np.maximum(np.minimum(np.asarray(ends, dtype=np.int64), self.table.width), lo)
 
     def _ring_slot(self, blocks: list, position: int) -> int:
         """:meth:`_ring_slots` of one position, in plain Python."""
@@ -238,9 +242,9 @@ class LayerGroup:
         """The engine reset its requests: clear every sliding window a row still points at, and
         forget the block lists, so every row is rewritten at its next fill."""
         if self.sliding:
-            owner, cols = spans(*self._windows(self._prefix))
+            owner, cols = spans(*np.array(self._span, dtype=np.int64).reshape(-1, 2).T)
             self.table.put(owner, cols, 0)
-        self._prefix[:] = [0] * len(self._prefix)
+        self._span[:] = [(0, 0)] * len(self._span)
         self._seen[:] = [None] * len(self._seen)
         self._step_rows = []
 

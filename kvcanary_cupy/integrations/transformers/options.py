@@ -14,7 +14,7 @@ import numpy as np
 
 # KvCanary arguments the adapter derives from the engine itself.
 OWNED = frozenset({"num_slots", "req_to_token", "block_table", "page_size", "max_batch", "real_kv", "swa",
-                   "expected_tokens", "token_offset", "draft", "policy", "max_tokens", "process_group"})
+                   "expected_tokens", "token_offset", "draft", "policy", "max_tokens", "process_group", "window"})
 POLICIES = ("log", "raise", "cancel")
 
 
@@ -88,8 +88,13 @@ def check_policy(policy) -> str | Callable:
 
 
 def _try_monitor(opts: dict) -> None:
-    """Build a tiny CPU monitor with ``opts``, so a bad value fails now with KvCanary's own message."""
+    """Build tiny CPU monitors with ``opts``, configured as the engine's are (a full group's and
+    a sliding group's, real K/V fingerprinted), so a bad value or combination fails now with
+    KvCanary's own message rather than later, in the engine's generation thread."""
+    from ...canary import RealKvSource  # noqa: PLC0415
     from ...monitor import KvCanary  # noqa: PLC0415
 
-    KvCanary(num_slots=8, block_table=np.zeros((2, 2), np.int32), page_size=4, max_batch=1, device="cpu",
-             policy=lambda found: None, **opts)
+    kv = RealKvSource(np.zeros((8, 16), np.uint8), bytes_per_token=16)
+    for table in (dict(block_table=np.zeros((2, 2), np.int32), page_size=4),
+                  dict(req_to_token=np.zeros((2, 8), np.int32), window=3)):
+        KvCanary(num_slots=8, max_batch=1, real_kv=kv, policy=lambda found: None, **table, **opts)

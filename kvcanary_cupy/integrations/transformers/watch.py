@@ -16,7 +16,7 @@ import threading
 import warnings
 
 from ...monitor.policy import KvCanaryError, KvCanaryWarning
-from .engine import EngineCanary
+from .engine import EngineCanary, device_name, same_device
 from .hooks import Hooks
 from .options import WatchOptions
 from .version import check_version
@@ -25,6 +25,7 @@ from .violations import log_all
 _SUMMED = ("steps", "cancelled", "cancel_too_late", "outputs_dropped", "offloaded_requests", "restored_requests",
            "forked_blocks", "swept_records", "host_seconds", "updates_skipped")
 _MONITOR_SUMMED = ("slots_checked", "slots_written", "kernel_runs", "logged", "dropped", "overflows", "input_errors",
+                   "rows_unstamped",
                    "verifies_skipped", "writes_skipped", "tokens_skipped", "sweeps", "sweep_entries")
 
 
@@ -58,8 +59,14 @@ def watch(model, **options):
             the cache's capacity in tokens.
         **options: :class:`~kvcanary_cupy.KvCanary` options for every monitor
             (``fingerprint_sample_period``, ``real_kv_mode``, ``verify_after``,
-            ``verify_capacity``, ``ring_capacity``, ``history``, ...). ``device``
-            must be the engine's cache device if given.
+            ``verify_capacity``, ``ring_capacity``, ``history``, ``chain``,
+            ``stamp_before_forward``, ...), checked here, in the caller's thread.
+            ``device`` must be the engine's cache device if given.
+            ``stamp_before_forward`` needs ``real_kv_mode=RealKvMode.NONE`` (the
+            engine's K/V is fingerprinted otherwise, and a record stamped before
+            the forward cannot hold it). In a sliding-window group, whose step
+            writes over the oldest positions of its ring, ``verify_after`` checks
+            the window the step leaves.
 
     Yields:
         :class:`Watch`: ``.poll()``, ``.violations``, ``.stats()``, ``.monitor``,
@@ -82,6 +89,12 @@ def watch(model, **options):
     if not callable(getattr(model, "init_continuous_batching", None)):
         raise TypeError(f"kvcanary: model: expected a transformers model with continuous batching "
                         f"(init_continuous_batching), got {type(model).__name__}")
+    if opts.device is not None and getattr(model, "device", None) is not None:
+        # The engine builds its cache on the model's device: a mismatch is known now, not in its thread.
+        cache = device_name(model.device)
+        if not same_device(opts.device, cache):
+            raise ValueError(f"kvcanary: device: the engine's cache lives on {cache} (the model's device), got "
+                             f"device={opts.device!r}; leave it out to watch the cache where it is")
     w = Watch(model, opts)
     w.open()
     try:
