@@ -1,4 +1,4 @@
-"""``python -m kvcanary_cupy selftest | info | --version``, also installed as the ``kvcanary`` command."""
+"""``python -m kvcanary_cupy selftest | info | report | --version``, also installed as the ``kvcanary`` command."""
 from __future__ import annotations
 
 import os
@@ -6,12 +6,13 @@ import sys
 
 MODULE_PROG = "python -m kvcanary_cupy"
 
-USAGE = """usage: {prog} {{selftest,info}} [options]
+USAGE = """usage: {prog} {{selftest,info,report}} [options]
        {prog} --version
 
   selftest   clean run plus every fault class on a simulated engine, once per chain kind
              (exit 0: all caught, no false positives)
   info       version, kernel source directory, CuPy / GPU visibility
+  report     summary of an events file (incidents per request and reason; --plot a timeline)
 
 {prog} COMMAND --help lists a command's options.
 The benchmarks are not part of the package: python -m bench, from the top of a checkout.
@@ -93,6 +94,10 @@ def main(argv=None, prog: str | None = None) -> int:
         from .selftest import main as selftest_main  # noqa: PLC0415
 
         return selftest_main(rest, prog=f"{prog} selftest")
+    if cmd == "report":
+        from .report import main as report_main  # noqa: PLC0415
+
+        return report_main(rest, prog=f"{prog} report")
     if cmd == "bench":
         print(BENCH_MOVED, file=sys.stderr)
         return 2
@@ -102,7 +107,8 @@ def main(argv=None, prog: str | None = None) -> int:
         CliParser(prog=f"{prog} info", command="info", description=INFO_DESCRIPTION).parse_args(rest)
         return info()
     what = "option" if cmd.startswith("-") else "command"
-    print(f"kvcanary: unknown {what} {cmd!r}: expected selftest, info or --version\n{usage}", file=sys.stderr, end="")
+    print(f"kvcanary: unknown {what} {cmd!r}: expected selftest, info, report or --version\n{usage}", file=sys.stderr,
+          end="")
     return 2
 
 

@@ -60,6 +60,12 @@ def test_every_command_refuses_an_unknown_argument(env, tmp_path, command, bad):
     assert_refused(out, command, bad, "python -m kvcanary_cupy")
 
 
+@pytest.mark.parametrize("args", [["--bogus", "events.jsonl"], ["events.jsonl", "stray"]])
+def test_report_refuses_an_unknown_argument(env, tmp_path, args):
+    out = run([*MODULE, "report", *args], env, tmp_path)  # its one positional argument is the events file
+    assert_refused(out, "report", args[0] if args[0].startswith("-") else args[1], "python -m kvcanary_cupy")
+
+
 def test_a_bad_option_value_is_the_same_one_line_error(env, tmp_path):
     out = run([*MODULE, "selftest", "--steps", "many"], env, tmp_path)
     assert_refused(out, "selftest", "--steps", "python -m kvcanary_cupy")
@@ -87,17 +93,18 @@ def test_an_unknown_command_or_option_says_what_was_expected(env, tmp_path, bad)
     assert out.returncode == 2 and out.stdout == ""
     first, *rest = out.stderr.splitlines()
     assert first.startswith("kvcanary: ") and repr(bad) in first, first
-    assert first.endswith("expected selftest, info or --version") and rest[0].startswith("usage: "), first
+    assert first.endswith("expected selftest, info, report or --version") and rest[0].startswith("usage: "), first
 
 
 def test_usage_names_the_program_as_invoked(env, tmp_path, console_script):
     out = run([*console_script, "--help"], env, tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: kvcanary {selftest,info}") and "kvcanary --version" in out.stdout
+    assert out.stdout.startswith("usage: kvcanary {selftest,info,report}") and "kvcanary --version" in out.stdout
     assert "python -m kvcanary_cupy" not in out.stdout and "kvcanary COMMAND --help" in out.stdout
     out = run([*console_script, "selftest", "--help"], env, tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("usage: kvcanary selftest"), out.stdout
     assert_refused(run([*console_script, "info", "--bogus"], env, tmp_path), "info", "--bogus", "kvcanary")
     assert_refused(run([*console_script, "selftest", "--bogus"], env, tmp_path), "selftest", "--bogus", "kvcanary")
+    assert_refused(run([*console_script, "report", "--bogus"], env, tmp_path), "report", "--bogus", "kvcanary")
     out = run([*MODULE, "--help"], env, tmp_path)
-    assert out.returncode == 0 and out.stdout.startswith("usage: python -m kvcanary_cupy {selftest,info}")
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m kvcanary_cupy {selftest,info,report}")

@@ -34,8 +34,9 @@ def description(help_text: str) -> str:
     return " ".join(paragraphs[1].split())
 
 
-@pytest.mark.parametrize("command", [("kvcanary_cupy", "selftest"), ("bench",), ("bench.selfcheck",)],
-                         ids=["selftest", "bench", "bench.selfcheck"])
+@pytest.mark.parametrize("command", [("kvcanary_cupy", "selftest"), ("kvcanary_cupy", "report"), ("bench",),
+                                     ("bench.selfcheck",)],
+                         ids=["selftest", "report", "bench", "bench.selfcheck"])
 def test_help_documents_every_option(command):
     out = subprocess.run([sys.executable, "-m", *command, "--help"], capture_output=True, text=True,
                          env=ENV, cwd=ROOT, timeout=120)
@@ -61,5 +62,5 @@ def test_top_level_usage_points_at_each_commands_help():
     out = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "--help"], capture_output=True, text=True, env=ENV,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0
-    assert "COMMAND --help" in out.stdout and all(c in out.stdout for c in ("selftest", "info"))
+    assert "COMMAND --help" in out.stdout and all(c in out.stdout for c in ("selftest", "info", "report"))
     assert "python -m bench" in out.stdout  # where the benchmarks went
