@@ -20,13 +20,11 @@ PAGE, PAGES, LAYERS, DIM = 4, 32, 2, 8  # DIM float32 = 32 bytes per token per l
 ROWS, WIDTH = 4, 8  # request-table rows (row 0: padding) x pages per request
 
 
-def print_violations(found) -> None:
-    """Each distinct violation once: every later step that reads the broken slot reports it again."""
-    seen = {}
-    for v in found:
-        seen[str(v)] = seen.get(str(v), 0) + 1
-    for line, n in seen.items():
-        print("caught:", line + (f"  [reported by {n} steps]" if n > 1 else ""))
+def print_incidents(mon) -> None:
+    """Each incident once: every later step that reads the broken slot finds it again, and the
+    monitor folds those rows into one incident (first step, rows, last step)."""
+    for incident in mon.incidents:
+        print("caught:", incident)
 
 
 def run(device: str, steps: int = 8, inject_at: int = 4) -> int:
@@ -100,7 +98,7 @@ def run(device: str, steps: int = 8, inject_at: int = 4) -> int:
             cached[r] = len(reqs[r])
             reqs[r].append(int(rng.integers(1, 1000)))  # "sample" the next token
     found += mon.poll() + mon.poll()
-    print_violations(found)
+    print_incidents(mon)
     ok = bool(found) and all(v.request == "bob" for v in found)
     print(f"{mon.stats()['steps']} steps: {'fault caught' if ok else 'FAULT MISSED'}")
     return 0 if ok else 1

@@ -108,13 +108,11 @@ def decode_step(eng, mon, stream=None):
     mon.after_forward(num_tokens=BATCH, stream=stream)
 
 
-def print_violations(found) -> None:
-    """Each distinct violation once: every later step that reads the broken slot reports it again."""
-    seen = {}
-    for v in found:
-        seen[str(v)] = seen.get(str(v), 0) + 1
-    for line, n in seen.items():
-        print("caught:", line + (f"  [reported by {n} steps]" if n > 1 else ""))
+def print_incidents(mon) -> None:
+    """Each incident once: every later step that reads the broken slot finds it again, and the
+    monitor folds those rows into one incident (first step, rows, last step)."""
+    for incident in mon.incidents:
+        print("caught:", incident)
 
 
 def run(device: str, steps: int = 12, inject_at: int = 5) -> int:
@@ -175,7 +173,7 @@ def run(device: str, steps: int = 12, inject_at: int = 5) -> int:
     if cuda:
         torch.cuda.synchronize()
     found += mon.poll() + (mon.poll() if cuda else [])
-    print_violations(found)
+    print_incidents(mon)
     ok = bool(found) and all(v.request == "req-2" and v.slot == injected[1] and kc.FailReason.REAL_KV in v.reasons
                              for v in found)
     s = mon.stats()

@@ -28,6 +28,8 @@ __all__ = [
     "Violation", "ViolationLog", "WritePlan", "as_view", "chain_links", "export_records", "import_records",
     "make_records", "mix3", "next_link", "plan", "plan_and_verify", "plan_verify_write", "prepare", "scan_term", "scatter_expected_tokens",
     "splitmix64", "verify", "write",
+    # the monitor, loaded on first use (see __getattr__)
+    "KvCanary", "KvCanaryError", "KvCanaryWarning", "SwaGroup", "SweepChain",
 ]
 
 

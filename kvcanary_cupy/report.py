@@ -379,6 +379,7 @@ def plot_timeline(events: EventFile, path) -> None:
             ax.bar(all_steps, heights, bottom=[bottom[s] for s in all_steps], label=name, width=0.9)
             for s, h in zip(all_steps, heights):
                 bottom[s] += h
+        ax.set_ylim(0, 1.08 * max(bottom.values()))  # the stacks' tops, not the first bar's
         ax.legend(title="reason", loc="upper right")
     else:
         ax.text(0.5, 0.5, "no incidents", ha="center", va="center", transform=ax.transAxes)

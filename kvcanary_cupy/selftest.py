@@ -148,8 +148,12 @@ def clean_run(device: str, steps: int, seed: int, progress, chain: str = CHAINS[
     return out
 
 
-def inject_once(fault_cls, device: str, seed: int, variant: int, res: ClassResult, chain: str = CHAINS[0]) -> None:
-    cfg = dataclasses.replace(configs(device, seed)[variant % 2], chain=chain)
+def inject_once(fault_cls, device: str, seed: int, variant: int, res: ClassResult, chain: str = CHAINS[0],
+                events=None) -> None:
+    run_name = f"{chain}:{fault_cls.__name__}:{seed}"
+    # Every injection's engine numbers its requests from scratch: its run names them apart.
+    tagged = None if events is None else (lambda e: events(dict(e, run=run_name, request=f"{run_name}/{e['request']}")))
+    cfg = dataclasses.replace(configs(device, seed)[variant % 2], chain=chain, events=tagged, name=run_name)
     sim = PagedKvSim(cfg)
     fault = fault_cls(np.random.default_rng(seed + 7))
     for _ in range(WARM_STEPS):
@@ -175,6 +179,8 @@ def inject_once(fault_cls, device: str, seed: int, variant: int, res: ClassResul
             break
         if rec.step - fault.fired_at >= WAIT_STEPS:
             break
+    for mon in sim.monitors.values():
+        mon.close()  # the run is over: its open incidents end (an incident_end event each)
     if fault.fired_at is not None:
         res.injected += 1
         res.detected += int(found)
@@ -184,7 +190,7 @@ def inject_once(fault_cls, device: str, seed: int, variant: int, res: ClassResul
 
 
 def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed: int = 0, chain: str = "both",
-        progress=print, notice=None) -> dict:
+        progress=print, notice=None, events=None) -> dict:
     """Run the whole selftest; returns the report (see ``--json``).
 
     ``chain``: ``"scan"``, ``"sglang"`` or ``"both"`` (the default): the campaign (the
@@ -194,7 +200,9 @@ def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed:
     every kind passed.
 
     ``progress`` receives the progress lines; ``notice`` (default: ``progress``) the one
-    line that says why ``auto`` runs on NumPy although CuPy is installed.
+    line that says why ``auto`` runs on NumPy although CuPy is installed. ``events``: a
+    callable that receives the incident events of every injection's monitors (each with
+    a ``run`` naming its chain kind, fault class and seed; the monitors are named after it).
 
     The monitors' own warnings (e.g. out-of-range plan input a fault provokes) are
     silenced while it runs; the clean run's input errors and overflows are counted
@@ -207,12 +215,12 @@ def run(*, backend: str = "auto", steps: int = 2000, injections: int = 20, seed:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", KvCanaryWarning)
-            return _run(backend, steps, injections, seed, kinds, progress, notice or progress)
+            return _run(backend, steps, injections, seed, kinds, progress, notice or progress, events)
     finally:
         log.setLevel(level)
 
 
-def _run(backend: str, steps: int, injections: int, seed: int, kinds, progress, notice) -> dict:
+def _run(backend: str, steps: int, injections: int, seed: int, kinds, progress, notice, events=None) -> dict:
     note = None
     if backend == "auto":
         usable, why = cuda_status()
@@ -227,13 +235,13 @@ def _run(backend: str, steps: int, injections: int, seed: int, kinds, progress, 
     progress(f"kvcanary selftest on {'the NumPy backend (cpu)' if device == 'cpu' else 'CUDA'}, chain "
              f"kind{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}: {steps} clean steps, {injections} "
              f"injections x {len(FAULTS)} fault classes{each}, seed {seed}")
-    per_kind = {k: _campaign(device, steps, injections, seed, k, progress) for k in kinds}
+    per_kind = {k: _campaign(device, steps, injections, seed, k, progress, events) for k in kinds}
     return {"ok": all(r["ok"] for r in per_kind.values()), "backend": "numpy" if device == "cpu" else "cuda",
             "device": device, "seed": seed, "backend_note": note, "seconds": round(time.perf_counter() - t0, 2),
             "chains": per_kind}
 
 
-def _campaign(device: str, steps: int, injections: int, seed: int, chain: str, progress) -> dict:
+def _campaign(device: str, steps: int, injections: int, seed: int, chain: str, progress, events=None) -> dict:
     """One chain kind's clean run and injections."""
     t0 = time.perf_counter()
     progress(f"chain {chain!r}:")
@@ -245,7 +253,7 @@ def _campaign(device: str, steps: int, injections: int, seed: int, chain: str, p
         t1 = time.perf_counter()
         res = ClassResult(fc.number, fc.name, fc.detector, injections)
         for i in range(injections):
-            inject_once(fc, device, seed * 1_000_003 + fc.number * 1009 + i, i, res, chain)
+            inject_once(fc, device, seed * 1_000_003 + fc.number * 1009 + i, i, res, chain, events)
         classes.append(res)
         med = "-" if res.median_steps is None else f"{res.median_steps:g}"
         progress(f"  [{fc.number:2d}/{len(FAULTS)}] {fc.name}: {res.detected}/{res.injected} detected, "
@@ -338,6 +346,9 @@ def main(argv=None, prog: str = "python -m kvcanary_cupy selftest") -> int:
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the simulated engines and the fault injectors (default 0)")
     ap.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    ap.add_argument("--events", metavar="PATH",
+                    help="append the incident events of the fault injections to PATH as JSON lines "
+                         "(python -m kvcanary_cupy report PATH summarizes them)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
     if args.steps < 0 or args.injections < 1:
@@ -348,6 +359,12 @@ def main(argv=None, prog: str = "python -m kvcanary_cupy selftest") -> int:
             print(f"kvcanary: selftest: --json {args.json!r}: {problem}; expected the path of a file in an "
                   "existing, writable folder (checked before the run)", file=sys.stderr)
             return 2
+    for flag, path in (("--json", args.json), ("--events", args.events)):
+        problem = json_path_problem(path) if path is not None and flag == "--events" else None
+        if problem:
+            print(f"kvcanary: selftest: {flag} {path!r}: {problem}; expected the path of a file in an "
+                  "existing, writable folder (checked before the run)", file=sys.stderr)
+            return 2
     if args.backend == "cuda":
         usable, why = cuda_status()
         if not usable:
@@ -355,8 +372,15 @@ def main(argv=None, prog: str = "python -m kvcanary_cupy selftest") -> int:
                   "run with --backend numpy (or auto) for the NumPy backend", file=sys.stderr)
             return 2
     progress = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    report = run(backend=args.backend, steps=args.steps, injections=args.injections, seed=args.seed,
-                 chain=args.chain, progress=progress, notice=lambda s: print(s, file=sys.stderr, flush=True))
+    sink = None if args.events is None else open(args.events, "a", encoding="utf-8")
+    try:
+        write = None if sink is None else (lambda e: sink.write(json.dumps(e, default=str) + "\n"))
+        report = run(backend=args.backend, steps=args.steps, injections=args.injections, seed=args.seed,
+                     chain=args.chain, progress=progress, notice=lambda s: print(s, file=sys.stderr, flush=True),
+                     events=write)
+    finally:
+        if sink is not None:
+            sink.close()
     print(format_table(report))
     for kind, r in report["chains"].items():
         for c in r["classes"]:

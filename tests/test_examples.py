@@ -45,7 +45,7 @@ def test_torch_decode_loop_cpu():
     out = run_example("torch_decode_loop.py", "--device", "cpu")
     assert "fault caught" in out and "request 'req-2'" in out
     check_violation_lines(out)
-    assert re.search(r"reported by [2-9]\d* steps", out), out  # the repeats are counted, not repeated
+    assert re.search(r"first seen at step \d+, [2-9]\d* rows to step \d+", out), out  # repeats folded, not repeated
 
 
 def test_jax_paged_cache_cpu():

@@ -190,3 +190,24 @@ def test_report_is_a_command_of_the_program(tmp_path):
     assert "--plot FILE.png" in out.stdout
     out = run("reprot", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.splitlines()[0].endswith("expected selftest, info, report or --version")
+
+
+def test_report_of_a_real_selftest_run(tmp_path):
+    """Events made by the selftest's fault injections: the report names every injection's
+    requests and reasons, and the plot is a PNG."""
+    events, png = tmp_path / "events.jsonl", tmp_path / "incidents.png"
+    run = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "selftest", "--backend", "numpy", "--chain", "scan",
+                          "--steps", "40", "--injections", "1", "--quiet", "--events", str(events)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [json.loads(x) for x in events.read_text().splitlines()]
+    assert {e["event"] for e in lines} == {"incident", "incident_end"}
+    out = subprocess.run([sys.executable, "-m", "kvcanary_cupy", "report", str(events), "--plot", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for fault in ("TableRepoint", "FreeWhileRead", "KvFlipActive", "PositionOffByOne"):
+        assert f"scan:{fault}:" in out.stdout, fault
+    assert "still open" not in out.stdout  # every injection's monitors closed their incidents
+    for reason in ("chain", "token", "real_kv", "write_position"):
+        assert reason in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

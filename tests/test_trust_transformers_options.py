@@ -34,6 +34,11 @@ def _none(found) -> None:
 # real_kv_mode PARTIAL), which every other case runs, plus pairs that meet on one code path.
 # The prompts are longer than the window (12) and than a prefill chunk (32 tokens), so the
 # sliding groups read full windows, chunks continue a prefix and decode steps slide.
+def _registry():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    return prometheus_client.CollectorRegistry()
+
+
 CASES = {
     "policy=raise": dict(policy="raise"),
     "policy=cancel": dict(policy="cancel"),
@@ -57,6 +62,7 @@ CASES = {
     "stamp_before_forward": dict(stamp_before_forward=True, real_kv_mode=kc.RealKvMode.NONE),
     "stamp_before_forward+chain=sglang": dict(stamp_before_forward=True, real_kv_mode=kc.RealKvMode.NONE,
                                               chain="sglang", policy="cancel"),
+    "events+metrics+incident_quiet_steps=1": dict(events=_none, metrics=_registry(), incident_quiet_steps=1),
 }
 
 INPUTS = prompts(3, seed=41, min_len=14, max_len=40)

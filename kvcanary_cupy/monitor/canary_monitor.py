@@ -28,6 +28,7 @@ from ..violations import Violation
 from .group import SCALAR_WORDS, SwaGroup, main_group, swa_group
 from .inputs import StepInputs
 from .lifetime import Keepalive
+from .outputs import Outputs
 from .policy import Reporter, apply_policy, check_policy, stats_dict
 from .requests import MonitorLog, RequestMap
 from .steps import AfterStep, BeforeStep, StepCache
@@ -154,9 +155,30 @@ class KvCanary:
             layer covered over ``period`` steps). Chain, position and token
             checks still cover every slot every step.
         ring_capacity: violation rows the device ring holds before it drops (and counts).
-        policy: what :meth:`poll` does with violations: ``"log"`` (the
+        policy: what :meth:`poll` does with new incidents: ``"log"`` (the
             ``kvcanary`` logger, error level), ``"raise"`` (:class:`KvCanaryError`)
-            or a callable taking the list of :class:`Violation`.
+            or a callable taking the list. A damaged slot is found again at every step
+            that reads it: the rows of one (request, group, slot, reasons) are folded
+            into one :class:`~kvcanary_cupy.monitor.incidents.Incident` (first step,
+            last step, rows), and the policy sees each incident once, when it opens
+            (an incident reads like its first :class:`Violation`: ``.slot``,
+            ``.request``, ``.reasons``, ``.batch_row``, ...). :meth:`poll` still
+            returns every row. With a ``process_group`` the policy sees every row
+            (ranks fold only their own rows, and must decide alike in every poll).
+        events: where each new incident goes as one JSON object (and its end, as an
+            ``incident_end`` event): a path (JSON lines appended, flushed per poll that
+            has any) or a callable taking the event dict; None (default): nowhere.
+            ``python -m kvcanary_cupy report PATH`` summarizes such a file.
+        metrics: keep Prometheus counters (``kvcanary_violations_total`` and
+            ``kvcanary_incidents_total`` by ``reason`` and ``group``, and the totals
+            of slots checked and written, verifies and writes skipped, rows dropped
+            and steps): True for prometheus_client's default registry, or a
+            ``CollectorRegistry``; needs the ``metrics`` extra.
+        incident_quiet_steps: steps without a row after which an incident ends, so
+            a later row at its slot opens a new one (:meth:`end_request` ends a
+            finished request's at once).
+        name: a label for this monitor's groups in incidents, events and metrics
+            (``"<name>.main"``), for a process that runs several monitors.
         max_tokens: longest ``out_cache_loc`` expected (sizes the SWA translation
             scratch up front; it grows on demand outside graph capture).
         sweep_budget: records one :meth:`sweep` call verifies at most.
@@ -242,9 +264,11 @@ class KvCanary:
                  fingerprint_sample_period: int | None = None, ring_capacity: int = 4096,
                  policy: str | Callable = "log", max_tokens: int | None = None, sweep_budget: int = 1024,
                  sweep_max_chains: int = 64, history: int = 256, process_group=None, chain: str = DEFAULT_CHAIN,
-                 stamp_before_forward: bool = False, window: int | None = None):
+                 stamp_before_forward: bool = False, window: int | None = None, events=None,
+                 metrics=False, incident_quiet_steps: int = 64, name: str = ""):
         self.chain = check_chain(chain, "chain")
         self.policy = check_policy(policy)
+        self._outputs = Outputs(events=events, metrics=metrics, quiet_steps=incident_quiet_steps, name=name)
         kind, _ = runtime.parse_device(device)
         self.device = "cpu" if kind == "cpu" else runtime.device_of(runtime.empty((1,), np.int64, device))
         self._cpu = self.device == "cpu"
@@ -1082,7 +1106,9 @@ class KvCanary:
         long done, and queues nothing). On the CPU every poll reads the current rows.
         Plan overflows and out-of-range plan inputs found in the same copy are
         reported as :class:`KvCanaryWarning` s (and grow the plan, see the class
-        docstring). Under ``policy="raise"`` a non-empty result raises instead.
+        docstring). The rows are folded into incidents: the policy sees the new ones
+        (under ``policy="raise"`` a poll that opens one raises instead of returning),
+        and the event sink and metrics count them.
 
         With a ``process_group`` the decision is the group's, the same on every rank:
         rows this rank logged up to the latest step's agreement are returned (later
@@ -1121,9 +1147,33 @@ class KvCanary:
             if self._agreement is not None:
                 out = self._agreement.release(out, scal[n + 2])
         self._violations += len(out)
-        if out:
-            apply_policy(self.policy, out)
+        counters = dropped = None
+        if scal is not None:
+            counters, dropped = scal[n + 1], max(0, int(scal[-2][0]) - self.log.capacity)
+            self._reporter.dropped(dropped, self.log.capacity)
+        new = self._outputs.take(out, step=self._steps, counters=counters, dropped=dropped or 0)
+        # Tensor-parallel ranks must decide alike in every poll, and a rank folds only its own
+        # rows: with a process group the policy sees every row, as the group's tally does.
+        found = out if self._agreement is not None else new
+        if found:
+            apply_policy(self.policy, found)
         return out
+
+    @property
+    def incidents(self) -> list:
+        """The open incidents (:class:`~kvcanary_cupy.monitor.incidents.Incident`), in the order
+        they opened, each as of its latest row: one per request, group, slot and reasons."""
+        return self._outputs.folder.incidents
+
+    def end_request(self, request_id) -> None:
+        """A request finished (its slots may be handed to another): end its incidents now
+        (``incident_end`` events), so that damage found later at its slots opens new ones."""
+        self._outputs.end_request(request_id, step=self._steps)
+
+    def close(self) -> None:
+        """End every open incident (an ``incident_end`` event each) and close the event file.
+        The monitor may step on; later incidents are reported as usual but written nowhere."""
+        self._outputs.close(step=self._steps)
 
     def _report(self, group_scalars, counters, ptr) -> None:
         """Warn about what a poll's copy shows beyond violations; grow overflowed plans."""
@@ -1172,7 +1222,8 @@ class KvCanary:
         group logged: every rank's checks' plus each divergence row once, as of
         the latest agreement), ``divergences`` (ranks found differing, summed over
         steps) and ``agreement_steps`` (all 0 without a ``process_group``), the
-        ``chain`` kind of the monitor's canaries, ``tokens_unrecorded_rows`` (rows of
+        ``chain`` kind of the monitor's canaries, ``incidents`` (opened so far: the
+        rows of one request, group, slot and reasons fold into one), ``tokens_unrecorded_rows`` (rows of
         :meth:`record_tokens` skipped: a table row or token span out of range), and per
         group ``groups[name]``
         with ``capacity``, ``max_requested``, ``overflows``, ``input_errors``,
@@ -1201,6 +1252,7 @@ class KvCanary:
                          groups=per, sweeps=self._sweeps, sweep_entries=self._sweep_entries, agreement=agreement,
                          chain=self.chain)
         out["tokens_unrecorded_rows"] = 0 if self._record_errors is None else int(runtime.to_host(self._record_errors)[0])
+        out["incidents"] = self._outputs.incidents
         return out
 
     # ------------------------------------------------------------------ expected tokens

@@ -59,6 +59,13 @@ def _request_key(request) -> Hashable:
     return request
 
 
+def request_of(violation: Violation):
+    """The request id a row names: its ``request``, or that request's ``request_id`` where the
+    request is an adapter's tag of it (a tag also names the step that found the row, which
+    must not split one piece of damage into one incident per step)."""
+    return getattr(violation.request, "request_id", violation.request)
+
+
 def incident_key(group: str, violation: Violation) -> tuple:
     """The key that folds the rows of one incident (see the module's docstring).
 
@@ -82,7 +89,7 @@ def incident_key(group: str, violation: Violation) -> tuple:
     reasons = int(violation.reasons)
     if violation.tag == LaunchTag.TP_AGREE:
         return (_AGREEMENT, group, violation.rank, reasons)
-    return (_SLOT, _request_key(violation.request), group, int(violation.slot), reasons)
+    return (_SLOT, _request_key(request_of(violation)), group, int(violation.slot), reasons)
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,13 @@ class Incident:
     last_step: int
     count: int
     violation: Violation
+
+    def __getattr__(self, name: str):
+        # Reads like the row it began with (tag, batch_row, position, links, ...), so a policy
+        # written for Violation lists takes incidents as they are.
+        if name.startswith("__") or name == "violation":
+            raise AttributeError(name)
+        return getattr(self.violation, name)
 
     @property
     def key(self) -> tuple:
@@ -227,7 +241,7 @@ class IncidentFolder:
             key = incident_key(group, violation)
             known = table.get(key)
             if known is None:
-                table[key] = Incident(request=violation.request, group=group, slot=int(violation.slot),
+                table[key] = Incident(request=request_of(violation), group=group, slot=int(violation.slot),
                                       reasons=violation.reasons, first_step=step, last_step=step, count=1,
                                       violation=violation)
                 new.append(key)
@@ -266,6 +280,24 @@ class IncidentFolder:
         wanted = {check_int(s, "slots") for s in slots}
         return self._drop([k for k in self._table
                            if k[0] == _SLOT and k[3] in wanted and (group is None or k[2] == group)])
+
+    def expire(self, *, step: int, quiet: int) -> list[Incident]:
+        """Drop the slot incidents whose latest row is more than ``quiet`` steps before ``step``:
+        damage no step has read since is over (its request ended, or its slots were written
+        again), so a later row there is a new incident. Without it an engine that passes no
+        request ids would fold a fault in a reused slot into the old one and never report it.
+
+        Args:
+            step (int): The monitor step now.
+            quiet (int): Steps without a row after which an incident ends (>= 1).
+
+        Returns:
+            list[Incident]: The incidents dropped, each as of its latest row.
+        """
+        if not self._table:
+            return []
+        last = check_int(step, "step") - check_int(quiet, "quiet", minimum=1)
+        return self._drop([k for k, inc in self._table.items() if k[0] == _SLOT and inc.last_step < last])
 
     def _drop(self, keys: list) -> list[Incident]:
         return [self._table.pop(k) for k in keys]

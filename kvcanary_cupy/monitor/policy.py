@@ -81,6 +81,16 @@ class Reporter:
         """Forget what was reported (the device counters were zeroed too)."""
         self._seen = {g: {"overflows": 0, "input_errors": 0, "rows_unstamped": 0} for g in self._groups}
         self._writes_skipped = 0
+        self._dropped = 0
+
+    def dropped(self, dropped: int, capacity: int) -> None:
+        """Warn about violation rows that did not fit the ring (``dropped``: cumulative)."""
+        if dropped < self._dropped:  # the log was cleared: counting starts again
+            self._dropped = 0
+        if dropped > self._dropped:
+            warn(f"kvcanary: {dropped - self._dropped} violation row(s) were dropped: the ring of {capacity} rows "
+                 f"was full (stats()['dropped']; a larger ring_capacity, or polling every step, keeps them)")
+            self._dropped = dropped
 
     def writes_skipped(self, counters) -> None:
         """Warn about writes whose plan was never planned, from the log's counter array."""

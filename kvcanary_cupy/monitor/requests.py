@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -204,14 +205,17 @@ class MonitorLog(ViolationLog):
 
     def clear(self, stream=None) -> None:
         """Empty the ring (stream-ordered on CUDA), through the owning monitor."""
-        if self._cleared is None:
+        cleared = None if self._cleared is None else self._cleared()
+        if cleared is None:
             super().clear(stream)
         else:
-            self._cleared(stream)
+            cleared(stream)
 
     def _own(self, cleared) -> None:
-        """Route ``clear()`` to the owning monitor's ``cleared(stream)`` (set once, at its construction)."""
-        object.__setattr__(self, "_cleared", cleared)  # past the log's fixed attributes: bookkeeping, no array
+        """Route ``clear()`` to the owning monitor's ``cleared(stream)`` (set once, at its construction).
+        Held weakly: the log must not keep its monitor alive (a monitor with a process group has
+        to go with the caller's last reference, before the group is destroyed)."""
+        object.__setattr__(self, "_cleared", weakref.WeakMethod(cleared))  # bookkeeping past the fixed fields
 
     def _clear_ring(self, stream=None) -> None:
         super().clear(stream)

@@ -36,6 +36,9 @@ class SimConfig:
         real_kv_mode, sample_period, sweep_budget, verify_after, stamp_before_forward:
             passed to the monitors (stamping before the forward needs real_kv_mode NONE).
         chain: the monitors' chain kind, ``"scan"`` (default) or ``"sglang"``.
+        events: the monitors' ``events`` (see :class:`~kvcanary_cupy.KvCanary`): a path or a
+            callable that receives each incident they open; None: nowhere.
+        name: the monitors' ``name`` (the draft pool's monitor adds ``.draft``).
     """
 
     device: str = "cpu"
@@ -64,6 +67,8 @@ class SimConfig:
     stamp_before_forward: bool = False
     chain: str = DEFAULT_CHAIN
     seed: int = 0
+    events: object = None
+    name: str = ""
 
     def __post_init__(self):
         check_chain(self.chain, "SimConfig.chain")

@@ -144,15 +144,16 @@ class PagedKvSim:
         common = dict(num_slots=n_slots, max_batch=cfg.max_batch, device=dev, expected_tokens=self.expected.dev,
                       real_kv_mode=cfg.real_kv_mode, fingerprint_sample_period=cfg.sample_period,
                       policy=lambda found: None, verify_after=cfg.verify_after, chain=cfg.chain,
-                      stamp_before_forward=cfg.stamp_before_forward, **tkw)
+                      stamp_before_forward=cfg.stamp_before_forward, events=cfg.events, **tkw)
         self.monitor = KvCanary(real_kv=(self.k.source(), self.v.source()), swa=swa, max_tokens=mt,
-                                sweep_budget=cfg.sweep_budget, **common)
+                                sweep_budget=cfg.sweep_budget, name=cfg.name, **common)
         i = self.inp
         self.monitor.bind_inputs(req_pool_indices=i["rpi"].dev, prefix_lens=i["pre"].dev, extend_lens=i["ext"].dev,
                                  input_ids=i["ids"].dev, positions=i["pos"].dev, out_cache_loc=i["loc"].dev)
         self.draft = None
         if cfg.draft:
-            self.draft = KvCanary(real_kv=(self.draft_kv.source(),), draft=True, **common)
+            self.draft = KvCanary(real_kv=(self.draft_kv.source(),), draft=True,
+                                  name=f"{cfg.name}.draft" if cfg.name else "draft", **common)
             self.draft.bind_inputs(req_pool_indices=i["rpi"].dev, prefix_lens=i["pre"].dev,
                                    extend_lens=i["ext"].dev, input_ids=i["dids"].dev, positions=i["dpos"].dev,
                                    out_cache_loc=i["loc"].dev, expected_valid_lens=i["dvlen"].dev)

@@ -146,7 +146,7 @@ class EngineCanary:
             table = (dict(req_to_token=g.table.array, window=_read_window(g)) if g.sliding else
                      dict(block_table=g.table.array, page_size=bs))
             g.monitor = KvCanary(num_slots=self.slot_map.num_slots, max_batch=self.max_batch, device=self.device,
-                                 real_kv=sources, policy=_quiet, **table, **kwargs)
+                                 real_kv=sources, policy=_quiet, name=f"group{g.index}", **table, **kwargs)
             g.monitor.bind_inputs(req_pool_indices=self.steps.device_view("rows"),
                                   prefix_lens=self.steps.device_view("prefix"),
                                   extend_lens=self.steps.device_view("extend"),

@@ -14,7 +14,8 @@ import numpy as np
 
 # KvCanary arguments the adapter derives from the engine itself.
 OWNED = frozenset({"num_slots", "req_to_token", "block_table", "page_size", "max_batch", "real_kv", "swa",
-                   "expected_tokens", "token_offset", "draft", "policy", "max_tokens", "process_group", "window"})
+                   "expected_tokens", "token_offset", "draft", "policy", "max_tokens", "process_group", "window",
+                   "name"})
 POLICIES = ("log", "raise", "cancel")
 
 
