@@ -31,6 +31,8 @@ import argparse
 import dataclasses
 import sys
 
+from kvcanary_cupy.cli import CliParser
+
 __all__ = ["main"]
 
 
@@ -39,18 +41,6 @@ DESCRIPTION = ("Time plan / verify / plan_and_verify / write and whole monitor s
                "every figure as JSON, prints a markdown report and, last, the table of targets. Needs a CUDA device "
                "visible to CuPy; --device cpu runs the harness on the NumPy reference and CPU torch instead, a check "
                "of the harness whose figures mean nothing.")
-
-
-class CliParser(argparse.ArgumentParser):
-    """An argument parser whose errors (an unknown option, a bad value) are one line,
-    ``kvcanary: COMMAND: ...``, followed by the usage, with exit status 2."""
-
-    def __init__(self, *args, command: str, **kw):
-        super().__init__(*args, **kw)
-        self.command = command
-
-    def error(self, message: str):
-        self.exit(2, f"kvcanary: {self.command}: {message}\n{self.format_usage()}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -102,7 +102,7 @@ def main(argv=None, prog: str | None = None) -> int:
         print(BENCH_MOVED, file=sys.stderr)
         return 2
     if cmd == "info":
-        from .selftest import CliParser  # noqa: PLC0415
+        from .cli import CliParser  # noqa: PLC0415
 
         CliParser(prog=f"{prog} info", command="info", description=INFO_DESCRIPTION).parse_args(rest)
         return info()

@@ -32,11 +32,12 @@ Example::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from dataclasses import dataclass, field
+
+from .cli import CliParser, output_path_problem
 
 MODULE_PROG = "python -m kvcanary_cupy report"
 DESCRIPTION = ("Summarize an events file that kvcanary's EventSink wrote (one JSON object per new incident, and "
@@ -392,40 +393,6 @@ def plot_timeline(events: EventFile, path) -> None:
     fig.savefig(os.fspath(path), format="png")
 
 
-def output_path_problem(path: str) -> str | None:
-    """Why a file cannot be written or appended to at ``path`` (None: it can): checked before
-    any work, so that a typo in a folder name fails at once, not after the work.
-
-    Example::
-
-        >>> from kvcanary_cupy.report import output_path_problem
-        >>> output_path_problem("/nonexistent-folder/plot.png")
-        'its folder /nonexistent-folder does not exist'
-    """
-    if not path:
-        return "the path is empty"
-    if os.path.isdir(path):
-        return "that is a folder"
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(folder):
-        return f"its folder {folder} does not exist"
-    if not os.path.isdir(folder):
-        return f"{folder} is not a folder"
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        return "that file is not writable"
-    if not os.path.exists(path) and not os.access(folder, os.W_OK | os.X_OK):
-        return f"its folder {folder} is not writable"
-    return None
-
-
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line, ``kvcanary: report: ...``, then the usage, exit status 2 (the
-    other commands' style)."""
-
-    def error(self, message: str):
-        self.exit(2, f"kvcanary: report: {message}\n{self.format_usage()}")
-
-
 def main(argv=None, prog: str = MODULE_PROG) -> int:
     """Run the ``report`` command; returns the exit status (0 done, 2 misuse, 1 unreadable file).
 
@@ -439,7 +406,7 @@ def main(argv=None, prog: str = MODULE_PROG) -> int:
         >>> main(["/nonexistent/events.jsonl"])  # doctest: +SKIP
         1
     """
-    ap = _Parser(prog=prog, description=DESCRIPTION, usage="%(prog)s [-h] [--plot FILE.png] EVENTS.jsonl")
+    ap = CliParser(prog=prog, command="report", description=DESCRIPTION, usage="%(prog)s [-h] [--plot FILE.png] EVENTS.jsonl")
     # Optional to argparse, required here: so that an unknown option is named before a missing file.
     ap.add_argument("events", metavar="EVENTS.jsonl", nargs="?",
                     help="the events file (JSON lines) an EventSink wrote")

@@ -11,11 +11,9 @@ default, see :class:`~kvcanary_cupy.CanaryBuffer`); it passes only if every kind
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -24,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .cli import CliParser, output_path_problem
 from .format import CHAINS, RealKvMode, check_chain
 from .monitor import KvCanaryWarning
 from .sim import FAULTS, PagedKvSim, SimConfig
@@ -298,36 +297,6 @@ def _kind_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-class CliParser(argparse.ArgumentParser):
-    """An argument parser whose errors (an unknown option, a bad value) are one line,
-    ``kvcanary: COMMAND: ...``, followed by the usage, with exit status 2."""
-
-    def __init__(self, *args, command: str, **kw):
-        super().__init__(*args, **kw)
-        self.command = command
-
-    def error(self, message: str):
-        self.exit(2, f"kvcanary: {self.command}: {message}\n{self.format_usage()}")
-
-
-def json_path_problem(path: str) -> str | None:
-    """Why a report cannot be written to ``path`` (None: it can), checked before a run."""
-    if not path:
-        return "the path is empty"
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return "that is a folder"
-    if not os.path.exists(folder):
-        return f"its folder {folder} does not exist"
-    if not os.path.isdir(folder):
-        return f"{folder} is not a folder"
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        return "that file is not writable"
-    if not os.path.exists(path) and not os.access(folder, os.W_OK | os.X_OK):
-        return f"its folder {folder} is not writable"
-    return None
-
-
 def main(argv=None, prog: str = "python -m kvcanary_cupy selftest") -> int:
     ap = CliParser(
         prog=prog, command="selftest",
@@ -353,14 +322,8 @@ def main(argv=None, prog: str = "python -m kvcanary_cupy selftest") -> int:
     args = ap.parse_args(argv)
     if args.steps < 0 or args.injections < 1:
         ap.error("--steps must be >= 0 and --injections >= 1")
-    if args.json is not None:
-        problem = json_path_problem(args.json)
-        if problem:
-            print(f"kvcanary: selftest: --json {args.json!r}: {problem}; expected the path of a file in an "
-                  "existing, writable folder (checked before the run)", file=sys.stderr)
-            return 2
     for flag, path in (("--json", args.json), ("--events", args.events)):
-        problem = json_path_problem(path) if path is not None and flag == "--events" else None
+        problem = output_path_problem(path) if path is not None else None
         if problem:
             print(f"kvcanary: selftest: {flag} {path!r}: {problem}; expected the path of a file in an "
                   "existing, writable folder (checked before the run)", file=sys.stderr)
