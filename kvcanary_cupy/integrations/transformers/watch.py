@@ -52,7 +52,12 @@ def watch(model, **options):
             :meth:`Watch.poll` and when the block exits), ``"cancel"`` (only the
             affected request is cancelled through the engine and its result
             delivered failed, with an error naming the violation; the others go
-            on), or a callable taking the list of :class:`EngineViolation`.
+            on), or a callable taking the list of :class:`EngineViolation`. A damaged
+            slot is found again at every step that reads it: the policy sees the
+            first row of each (request, layer group, slot, reasons) once, and
+            ``.violations`` keeps every row.
+        events, metrics, incident_quiet_steps: passed to every monitor (see
+            :class:`~kvcanary_cupy.KvCanary`), each monitor named after its layer group.
         max_len: the longest request (prompt plus generated tokens) the token
             tables of sliding-window groups cover. Default: the longest prompt
             plus ``max_new_tokens`` when ``generate_batch`` announces them, else
@@ -126,6 +131,7 @@ class Watch:
         self._engines: list = []  # live EngineCanary s
         self._latest = None
         self._found: list = []
+        self._incidents: set = set()  # (request id, group, slot, reasons) the policy has seen
         self._unpolled = 0
         self._retired: list = []  # stats of engines let go
         self._error = None
@@ -190,9 +196,20 @@ class Watch:
 
     # ------------------------------------------------------------------ reports
     def report(self, engine, found: list) -> None:
-        """Apply the policy to violations an engine's step found (in the engine's thread)."""
+        """Apply the policy to the incidents an engine's step opened (in the engine's thread): a
+        damaged slot is found again at every step that reads it, and the policy sees the rows of
+        one request, group, slot and reasons once (rows no request claims, every time)."""
         with self.lock:
             self._found.extend(found)
+            new = []
+            for v in found:
+                key = (v.request_id, v.group, v.violation.slot, int(v.reasons))
+                if v.request_id is None or key not in self._incidents:
+                    self._incidents.add(key)
+                    new.append(v)
+        if not new:
+            return
+        found = new
         policy = self.options.policy
         if policy == "log":
             log_all(found)
