@@ -115,6 +115,14 @@ class Violation:
             launch = f"tag {self.tag}"
         who = f"request {self.request!r} (batch row {self.batch_row})" if self.request is not None \
             else f"batch row {self.batch_row}"
+        head = f"kvcanary violation [{self.reasons.describe()}] in {launch}, {who}"
+        if self.reasons == FailReason.INPUT_OUT_OF_RANGE:
+            return (head + ": the step's token arrays (input_ids, positions, out_cache_loc and the expected "
+                    "inputs) end before this row's span of the write plan (the sum of the extend lengths up to "
+                    "it); nothing of the row was stamped")
+        if self.reasons == FailReason.RESERVED_SLOT:
+            return (head + f": the slot table maps position {self.expected_position} to slot 0, the reserved "
+                    "padding slot (a freed or never-filled entry of a live request)")
         return (f"kvcanary violation [{self.reasons.describe()}] in {launch}, {who}, slot {self.slot}: "
                 f"expected token {'-1 (not checked)' if self.expected_token == -1 else self.expected_token} "
                 f"position {self.expected_position} "

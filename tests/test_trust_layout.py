@@ -208,3 +208,17 @@ def test_scatter_counts_the_rows_it_skips(xp, device):
     with pytest.raises(ValueError, match="kvcanary: input_errors"):
         kc.scatter_expected_tokens(table, tokens=xp.arange(1, 7), offsets=xp.asarray([0, 0]),
                                    req_pool_indices=xp.asarray([2]), input_errors=xp.zeros(2, dtype=xp.int64))
+
+
+def test_rows_of_bad_input_say_what_was_wrong(xp, device, path):
+    s = Step(xp, device, path)
+    s([1, 2], [0, 0], [3, 2], [1, 2, 3], [0, 1, 2], [16, 17, 18])  # B's span is past the token arrays
+    (short,) = s.log.read()
+    assert (short.reasons, short.batch_row) == (F.INPUT_OUT_OF_RANGE, 1)
+    assert "token arrays" in str(short) and "end before this row's span" in str(short)
+    t = np.zeros((2, 8), np.int32)
+    t[1, :3] = [0, 4, 17]
+    s = Step(xp, device, path, table=t)
+    s([1], [3], [0], [], [], [])  # (its slots 4 and 17 were never stamped: reported too)
+    (reserved,) = [v for v in s.log.read() if v.reasons == F.RESERVED_SLOT]
+    assert "maps position 0 to slot 0, the reserved padding slot" in str(reserved)
