@@ -152,10 +152,8 @@ def _monitor(xp, device, table, stamp):
     return m, found
 
 
-def _run(m, stamp, rp, P, E, ids, pos, loc, request_ids):
-    xp_ = m.canary.records.__class__.__module__.split(".")[0]
-    mod = np if xp_ == "numpy" else __import__("cupy")
-    a = lambda v: mod.asarray(v, dtype=mod.int64)  # noqa: E731
+def _run(m, xp, stamp, rp, P, E, ids, pos, loc, request_ids):
+    a = lambda v: xp.asarray(v, dtype=xp.int64)  # noqa: E731
     toks = dict(input_ids=a(ids), positions=a(pos), out_cache_loc=a(loc))
     if stamp:
         m.before_forward(a(rp), a(P), a(E), request_ids=request_ids, **toks)
@@ -170,10 +168,10 @@ def _run(m, stamp, rp, P, E, ids, pos, loc, request_ids):
 def test_monitor_a_bad_row_never_reports_its_neighbour(xp, device, stamp):
     m, found = _monitor(xp, device, xp.asarray(TABLE), stamp)
     ids = ["A", "B"]
-    _run(m, stamp, [1, 2], [0, 0], [3, 2], [1, 2, 3, 7, 8], [0, 1, 2, 0, 1], [16, 17, 18, 32, 33], ids)
+    _run(m, xp, stamp, [1, 2], [0, 0], [3, 2], [1, 2, 3, 7, 8], [0, 1, 2, 0, 1], [16, 17, 18, 32, 33], ids)
     with pytest.warns(kc.KvCanaryWarning):
-        _run(m, stamp, [1, 2], [20, 2], [1, 1], [4, 9], [20, 2], [19, 34], ids)  # A's prefix is bad
-        _run(m, stamp, [2], [3], [1], [10], [3], [35], ["B"])
+        _run(m, xp, stamp, [1, 2], [20, 2], [1, 1], [4, 9], [20, 2], [19, 34], ids)  # A's prefix is bad
+        _run(m, xp, stamp, [2], [3], [1], [10], [3], [35], ["B"])
         m.poll()
         m.poll()
     assert [v for v in found if v.request == "B"] == []
@@ -185,9 +183,9 @@ def test_monitor_reports_a_live_prefix_on_the_reserved_slot(xp, device, stamp):
     t = xp.zeros((2, 8), dtype=xp.int32)
     t[1, :6] = xp.asarray([9, 4, 17, 30, 2, 11], dtype=xp.int32)
     m, found = _monitor(xp, device, t, stamp)
-    _run(m, stamp, [1], [0], [5], [1, 2, 3, 4, 5], [0, 1, 2, 3, 4], [9, 4, 17, 30, 2], ["R"])
+    _run(m, xp, stamp, [1], [0], [5], [1, 2, 3, 4, 5], [0, 1, 2, 3, 4], [9, 4, 17, 30, 2], ["R"])
     t[1, 2] = 0
-    _run(m, stamp, [1], [5], [1], [6], [5], [11], ["R"])
+    _run(m, xp, stamp, [1], [5], [1], [6], [5], [11], ["R"])
     m.poll()
     m.poll()
     assert [(v.request, v.slot, v.reasons, v.expected_position) for v in found] == [("R", 0, F.RESERVED_SLOT, 2)]
