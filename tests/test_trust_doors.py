@@ -24,18 +24,22 @@ def raises(exc, *names):
 
 
 class Step:
-    """The README's objects and one request (row 1 of the table) of six cached slots."""
+    """The README's objects and one request (row 1 of the table) of six cached slots, on the
+    device of ``xp`` (NumPy: the CPU; CuPy: CUDA, for tests/gpu/test_trust_doors_gpu.py)."""
 
-    def __init__(self, num_slots=64):
-        self.canary = kc.CanaryBuffer.allocate(num_slots=num_slots, device="cpu")
-        self.vp = kc.VerifyPlan.allocate(capacity=128, max_batch=4, device="cpu")
-        self.wp = kc.WritePlan.allocate(max_batch=4, device="cpu")
-        self.log = kc.ViolationLog.allocate(capacity=16, device="cpu")
-        self.table = np.zeros((4, 16), dtype=np.int32)
-        self.table[1, :6] = [9, 4, 17, 30, 2, 11]
-        self.rows = dict(req_pool_indices=np.array([1]), prefix_lens=np.array([0]), extend_lens=np.array([4]))
-        self.tokens = dict(input_ids=np.array([1, 2, 3, 4]), positions=np.arange(4),
-                           out_cache_loc=self.table[1, :4].astype(np.int64))
+    def __init__(self, xp=np, num_slots=64):
+        self.xp = xp
+        device = "cpu" if xp is np else "cuda"
+        self.canary = kc.CanaryBuffer.allocate(num_slots=num_slots, device=device)
+        self.vp = kc.VerifyPlan.allocate(capacity=128, max_batch=4, device=device)
+        self.wp = kc.WritePlan.allocate(max_batch=4, device=device)
+        self.log = kc.ViolationLog.allocate(capacity=16, device=device)
+        table = np.zeros((4, 16), dtype=np.int32)
+        table[1, :6] = [9, 4, 17, 30, 2, 11]
+        self.table = xp.asarray(table)
+        self.rows = dict(req_pool_indices=xp.asarray([1]), prefix_lens=xp.asarray([0]), extend_lens=xp.asarray([4]))
+        self.tokens = dict(input_ids=xp.asarray([1, 2, 3, 4]), positions=xp.arange(4),
+                           out_cache_loc=xp.asarray(table[1, :4].astype(np.int64)))
 
     def plan(self, **kw):
         kc.plan(self.vp, self.wp, **{"req_to_token": self.table, **self.rows, **kw})
@@ -51,7 +55,8 @@ class Step:
         self.plan()
         self.verify()
         self.write()
-        self.rows = dict(req_pool_indices=np.array([1]), prefix_lens=np.array([4]), extend_lens=np.array([1]))
+        xp = self.xp
+        self.rows = dict(req_pool_indices=xp.asarray([1]), prefix_lens=xp.asarray([4]), extend_lens=xp.asarray([1]))
         self.plan()
 
 

@@ -3,12 +3,12 @@ inside outputs, refused sizes and pickling, with CuPy arrays on the device."""
 from __future__ import annotations
 
 import pickle
-import re
 
 import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from tests.test_trust_doors import Step, raises
 
 pytestmark = pytest.mark.gpu
 
@@ -18,43 +18,6 @@ def cp():
     import cupy  # noqa: PLC0415
 
     return cupy
-
-
-def raises(exc, *names):
-    pattern = r"^kvcanary: " + "".join(f"(?=.*{re.escape(n)})" for n in names)
-    return pytest.raises(exc, match=re.compile(pattern, re.S))
-
-
-class Step:
-    def __init__(self, cp, num_slots=64):
-        self.cp = cp
-        self.canary = kc.CanaryBuffer.allocate(num_slots=num_slots, device="cuda")
-        self.vp = kc.VerifyPlan.allocate(capacity=128, max_batch=4, device="cuda")
-        self.wp = kc.WritePlan.allocate(max_batch=4, device="cuda")
-        self.log = kc.ViolationLog.allocate(capacity=16, device="cuda")
-        table = np.zeros((4, 16), dtype=np.int32)
-        table[1, :6] = [9, 4, 17, 30, 2, 11]
-        self.table = cp.asarray(table)
-        self.rows = dict(req_pool_indices=cp.asarray([1]), prefix_lens=cp.asarray([0]), extend_lens=cp.asarray([4]))
-        self.tokens = dict(input_ids=cp.asarray([1, 2, 3, 4]), positions=cp.arange(4),
-                           out_cache_loc=cp.asarray(table[1, :4].astype(np.int64)))
-
-    def plan(self, **kw):
-        kc.plan(self.vp, self.wp, **{"req_to_token": self.table, **self.rows, **kw})
-
-    def verify(self, **kw):
-        kc.verify(self.canary, self.vp, **{"log": self.log, "tag": kc.LaunchTag.VERIFY, **kw})
-
-    def write(self, **kw):
-        kc.write(self.canary, self.wp, **{"log": self.log, "tag": kc.LaunchTag.WRITE, **self.tokens, **kw})
-
-    def prefill_then_decode(self):
-        self.plan()
-        self.verify()
-        self.write()
-        self.rows = dict(req_pool_indices=self.cp.asarray([1]), prefix_lens=self.cp.asarray([4]),
-                         extend_lens=self.cp.asarray([1]))
-        self.plan()
 
 
 def test_fields_are_fixed_and_rows_reach_the_ring_the_launch_was_prepared_with(cp):
