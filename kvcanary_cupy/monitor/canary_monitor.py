@@ -39,53 +39,53 @@ from .sweep import SweepChain, SweepPlanner
 def _guarded(fn, name: str | None = None):
     """Run the method as one call of the monitor: refused, before it does anything, while
     another thread is inside a call or has a step open (see "Threads" in :class:`KvCanary`);
-    ``name``: how errors name the call (default: the method's name)."""
+    ``name``: how errors name the call (default: the method's name). A step's calls pay a
+    non-blocking lock and an attribute read."""
     name = name or fn.__name__
 
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
         guard = self._guard
-        guard.enter(name)
+        me = threading.get_ident()
+        if not guard.lock.acquire(False):  # another thread is inside a call (this one's re-enter)
+            guard.refuse(name, me)
         try:
-            return fn(self, *args, **kwargs)
+            # Read under the lock: a step opens and closes inside guarded calls only.
+            if guard.step_thread is not None and guard.step_thread != me:
+                guard.refuse(name, me)
+            if guard.depth == 0:
+                guard.inside, guard.inside_call = me, name
+            guard.depth += 1
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                guard.depth -= 1
         finally:
-            guard.leave()
+            guard.lock.release()
     return call
 
 
 class _CallGuard:
-    """Which thread the monitor serves now: the one inside a call, and the one whose step is open."""
+    """Which thread the monitor serves now: the one inside a call (holding ``lock``, an RLock,
+    so a call may make others), and the one whose step is open."""
 
     def __init__(self):
-        self._gate = threading.Lock()  # held only to check and claim, never across a call
-        self._inside = None  # ident of the thread inside a call
-        self._inside_call = None
-        self._depth = 0
+        self.lock = threading.RLock()
+        self.depth = 0  # guarded calls the holder of the lock is inside
+        self.inside = self.inside_call = None  # the holder and its outermost call, for errors
         self.step_thread = None  # ident of the thread whose step is open
 
-    def enter(self, name: str) -> None:
-        me = threading.get_ident()
-        with self._gate:
-            owner, inside = self.step_thread, self._inside
-            if owner is not None and owner != me:
-                raise RuntimeError(f"kvcanary: {name}: called from thread {_thread_name(me)} while the step "
-                                   f"thread {_thread_name(owner)} opened (before_forward) is open on this monitor; a "
-                                   f"step belongs to the thread that opened it: call the monitor from that thread, "
-                                   f"or after its after_forward() / abort_step()")
-            if inside is not None and inside != me:
-                raise RuntimeError(f"kvcanary: {name}: called from thread {_thread_name(me)} while thread "
-                                   f"{_thread_name(inside)} is inside {self._inside_call}() on this monitor; a "
-                                   f"monitor takes one call at a time: serialize the threads' calls (one lock "
-                                   f"around each step and poll)")
-            if inside is None:
-                self._inside, self._inside_call = me, name
-            self._depth += 1
-
-    def leave(self) -> None:
-        with self._gate:
-            self._depth -= 1
-            if self._depth == 0:
-                self._inside = self._inside_call = None
+    def refuse(self, name: str, me: int):
+        owner = self.step_thread
+        if owner is not None and owner != me:
+            raise RuntimeError(f"kvcanary: {name}: called from thread {_thread_name(me)} while the step "
+                               f"thread {_thread_name(owner)} opened (before_forward) is open on this monitor; a "
+                               f"step belongs to the thread that opened it: call the monitor from that thread, "
+                               f"or after its after_forward() / abort_step()")
+        raise RuntimeError(f"kvcanary: {name}: called from thread {_thread_name(me)} while thread "
+                           f"{_thread_name(self.inside)} is inside {self.inside_call}() on this monitor; a "
+                           f"monitor takes one call at a time: serialize the threads' calls (one lock "
+                           f"around each step and poll)")
 
 
 def _thread_name(ident: int) -> str:
