@@ -239,10 +239,11 @@ def _append(log: TorchLog, block) -> None:
 
 
 def _rows(torch, n, device, **cols):
-    """A violation block ``[n, 10]`` from per-column tensors or scalars."""
+    """A violation block ``[n, VIOLATION_WORDS]`` from per-column tensors or scalars; the detail
+    columns a row does not use take their ``format.UNUSED_DETAIL`` values."""
     out = torch.empty((n, fmt.VIOLATION_WORDS), dtype=torch.int64, device=device)
     for i, name in enumerate(fmt.VIOLATION_COLUMNS):
-        out[:, i] = cols[name]
+        out[:, i] = cols[name] if name in cols else fmt.UNUSED_DETAIL[name]
     return out
 
 
@@ -441,18 +442,21 @@ def plan(vp: TorchVerifyPlan | None, wp: TorchWritePlan | None, *, req_pool_indi
 
 # --- write ---------------------------------------------------------------------
 def _position_check(torch, wp: TorchWritePlan, stored, poss, has_seed, seed_pos):
-    """(position bad, expected position column) of padded rows ``[nrows, L]``: each stored
-    token's position must follow the previous stored token's in its row (the seed
-    record's before the first); a row without a seed does not check its first token."""
+    """(position bad, expected position column, previous position column) of padded rows
+    ``[nrows, L]``: each stored token's position must follow the previous stored token's in
+    its row (the seed record's before the first); a row without a seed does not check its
+    first token. The previous position column is -1 where a token follows none."""
     L = int(stored.shape[1])
     jj = torch.arange(L, device=stored.device).expand_as(stored)
     last = torch.cummax(torch.where(stored, jj, -1), dim=1).values  # latest stored token at or before j
     before = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], dim=1)
     in_row = before >= 0
     prev_p = torch.where(in_row, poss.gather(1, before.clamp(min=0)), seed_pos[:, None])
-    chk = stored & (in_row | has_seed[:, None]) & (wp.position_check[0] != 0)  # no sync per call
+    has_prev = in_row | has_seed[:, None]
+    chk = stored & has_prev & (wp.position_check[0] != 0)  # no sync per call
     # No position follows the largest: its successor wraps, as in the kernels.
-    return chk & ((poss != prev_p + 1) | (prev_p == _I64_MAX)), torch.where(chk, prev_p + 1, -1)
+    return (chk & ((poss != prev_p + 1) | (prev_p == _I64_MAX)), torch.where(chk, prev_p + 1, -1),
+            torch.where(has_prev, prev_p, -1))
 
 
 def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, log: TorchLog, tag: int,
@@ -498,7 +502,7 @@ def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, l
             s = slot_col if isinstance(slot_col, int) else slot_col[r]
             blocks.append(_rows(torch, int(r.shape[0]), dev, tag=tag, slot=s, position=-1, stored_token=-1,
                                 expected_token=-1, stored_link=0, expected_link=0, fail_bits=bit, batch_row=r,
-                                expected_position=-1))
+                                expected_position=-1, span_start=o0[r], span_end=o1[r], tokens_given=avail))
     L = int(lens.max())
     if L == 0:
         if blocks:
@@ -520,8 +524,8 @@ def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, l
     stored = loc >= 0  # a negative slot is skipped: no store, the chain does not advance
     chain_fn = _scan_links if chain == fmt.CHAIN_SCAN else _serial_links
     stored_link = chain_fn(running, toks, poss, stored)
-    pos_bad, exp_pos_col = _position_check(torch, wp, stored, poss, has_seed,
-                                           seed_rec[:, fmt.FIELD_POSITION])
+    pos_bad, exp_pos_col, prev_pos_col = _position_check(torch, wp, stored, poss, has_seed,
+                                                         seed_rec[:, fmt.FIELD_POSITION])
 
     bits = pos_bad.long() * _WRITE_POSITION
     exp_tok_col = torch.full_like(loc, -1)
@@ -548,7 +552,9 @@ def write(records, wp: TorchWritePlan, *, input_ids, positions, out_cache_loc, l
         row = rows_idx[:, None].expand(nrows, L)[v]
         blocks.append(_rows(torch, int(link.shape[0]), dev, tag=tag, slot=loc[v], position=poss[v],
                             stored_token=toks[v], expected_token=exp_tok_col[v], stored_link=link,
-                            expected_link=link, fail_bits=bits[v], batch_row=row, expected_position=exp_pos_col[v]))
+                            expected_link=link, fail_bits=bits[v], batch_row=row, expected_position=exp_pos_col[v],
+                            prev_position=prev_pos_col[v], token_index=tidx[v], span_start=o0[row],
+                            span_end=o1[row], tokens_given=avail))
     if blocks:
         _append(log, torch.cat(blocks))
 
@@ -605,9 +611,12 @@ def verify(records, vp: TorchVerifyPlan, *, log: TorchLog, tag: int, sources=(),
     if check_tokens:
         bits |= ((etok != -1) & (rec[:, fmt.FIELD_TOKEN] != etok)).long() * _TOKEN
     fp_sel = chk if phase is None else chk & (torch.remainder(s, period) == phase)
-    fp = fingerprints(sources, mode, s)
-    bits |= (fp_sel & (rec[:, fmt.FIELD_FINGERPRINT] != fp)).long() * _REAL_KV
+    stored_fp = torch.where(chk, rec[:, fmt.FIELD_FINGERPRINT], 0)
+    live_fp = torch.where(fp_sel, fingerprints(sources, mode, s), stored_fp)  # the stored one where not computed
+    bits |= (live_fp != stored_fp).long() * _REAL_KV
     bits = torch.where(chk, bits, 0)
+    inside = (prev > 0) & (prev < N)
+    prev_pos = torch.where(inside, records[torch.where(inside, prev, 0), fmt.FIELD_POSITION], -1)
 
     e = torch.nonzero(oor | reserved | (bits != 0)).squeeze(1)  # entry order
     if e.shape[0] == 0:
@@ -621,4 +630,5 @@ def verify(records, vp: TorchVerifyPlan, *, log: TorchLog, tag: int, sources=(),
         expected_token=etok[e], stored_link=torch.where(o, 0, stored_link[e]),
         expected_link=torch.where(o, 0, exp_link[e]),
         fail_bits=torch.where(reserved[e], _RESERVED, torch.where(o, _SLOT_OOR, bits[e])),
-        batch_row=batch_row, expected_position=epos[e]))
+        batch_row=batch_row, expected_position=epos[e], prev_slot=prev[e], prev_position=prev_pos[e],
+        stored_fingerprint=stored_fp[e], expected_fingerprint=live_fp[e]))

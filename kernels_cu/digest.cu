@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(256) compare_digests(AgreeArgs a) {
         const bool differs = r < a.world && a.gathered[r * W] != ref_digest;
         append_violation(a.ring, a.head, a.ring_capacity, differs, a.tag, -1, step, r, ref,
                          differs ? (u64)a.gathered[r * W] : 0ULL, (u64)ref_digest, FAIL_RANK_DIVERGENCE, -1,
-                         agreeing);
+                         agreeing, no_detail());
     }
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -17,6 +17,7 @@ typedef unsigned long long u64;
 
 // --- record layout ----------------------------------------------------------
 inline constexpr i64 RECORD_WORDS = 4;  // int64 words per record
+inline constexpr i64 FIELD_POSITION = 1;
 inline constexpr i64 FIELD_LINK = 2;
 inline constexpr i64 FIELD_FINGERPRINT = 3;
 inline constexpr i64 RESERVED_SLOT = 0;  // padding tokens park here; never written, a violation when read
@@ -45,7 +46,9 @@ inline constexpr i64 FAIL_RANK_DIVERGENCE = 256;
 inline constexpr i64 FAIL_RESERVED_SLOT = 512;
 
 // --- violation ring layout --------------------------------------------------
-inline constexpr i64 VIOLATION_WORDS = 10;  // append_violation writes the columns in format.py's order
+// append_violation writes the columns in format.py's order: the ten of SGLang's rows, then a
+// RowDetail's eight.
+inline constexpr i64 VIOLATION_WORDS = 18;
 
 // --- log counters -----------------------------------------------------------
 inline constexpr i64 NUM_COUNTERS = 6;
@@ -281,6 +284,40 @@ __device__ __forceinline__ i64 row_of(const i64* a, i64 n, i64 x) {
 }
 
 // --- violation sink -----------------------------------------------------------
+// What a row holds past SGLang's ten columns (format.VIOLATION_COLUMNS 10..17), so that
+// it points at the damage: a verify entry's predecessor record and both fingerprints;
+// a write's token index and its row's span in the step's token arrays, and how many
+// tokens those arrays hold. Columns a row does not use hold -1 (fingerprints 0).
+struct RowDetail {
+    i64 prev_slot, prev_position;
+    u64 stored_fp, expected_fp;
+    i64 token_index, span_start, span_end, tokens_given;
+};
+
+__device__ __forceinline__ RowDetail no_detail() { return RowDetail{-1, -1, 0, 0, -1, -1, -1, -1}; }
+
+// A verify entry's: its predecessor slot as planned, the position that predecessor's
+// record holds (-1 when none was read: no predecessor, the padding slot, or out of
+// range), the record's fingerprint and the live bytes' (the stored one when the
+// fingerprint was not checked).
+__device__ __forceinline__ RowDetail entry_detail(i64 prev, i64 prev_position, u64 stored_fp, u64 expected_fp) {
+    return RowDetail{prev, prev_position, stored_fp, expected_fp, -1, -1, -1, -1};
+}
+
+// The position the record at `prev` holds, read only for a row that is appended
+// (`has`) and a predecessor inside the canary; -1 otherwise.
+__device__ __forceinline__ i64 prev_position_of(const i64* records, i64 num_slots, bool has, i64 prev) {
+    return has && prev > 0 && prev < num_slots ? records[prev * RECORD_WORDS + FIELD_POSITION] : -1;
+}
+
+// A write's: token `token_index` (-1 for a row's own fault: its span or seed) of the row
+// whose span is [span_start, span_end), in token arrays of `tokens_given` tokens; the
+// position of the token its chain follows (-1: none).
+__device__ __forceinline__ RowDetail write_detail(i64 token_index, i64 prev_position, i64 span_start,
+                                                  i64 span_end, i64 tokens_given) {
+    return RowDetail{-1, prev_position, 0, 0, token_index, span_start, span_end, tokens_given};
+}
+
 // Appends one row per lane with `has` set: one atomic per warp reserves the
 // rows, lanes take them in lane order. idx = head++ keeps counting past the
 // ring; a row is stored only if idx < capacity, so the ring fills once and
@@ -288,7 +325,8 @@ __device__ __forceinline__ i64 row_of(const i64* a, i64 n, i64 x) {
 __device__ __forceinline__ void append_violation(i64* ring, i64* head, i64 capacity, bool has, i64 tag,
                                                  i64 slot, i64 position, i64 stored_token,
                                                  i64 expected_token, u64 stored_link, u64 expected_link,
-                                                 i64 bits, i64 batch_row, i64 expected_position) {
+                                                 i64 bits, i64 batch_row, i64 expected_position,
+                                                 const RowDetail& d) {
     unsigned m = __ballot_sync(FULL_MASK, has);
     if (m == 0u) return;
     unsigned lane = lane_id();
@@ -305,6 +343,10 @@ __device__ __forceinline__ void append_violation(i64* ring, i64* head, i64 capac
     row[2] = make_longlong2(expected_token, (i64)stored_link);
     row[3] = make_longlong2((i64)expected_link, bits);
     row[4] = make_longlong2(batch_row, expected_position);
+    row[5] = make_longlong2(d.prev_slot, d.prev_position);
+    row[6] = make_longlong2((i64)d.stored_fp, (i64)d.expected_fp);
+    row[7] = make_longlong2(d.token_index, d.span_start);
+    row[8] = make_longlong2(d.span_end, d.tokens_given);
 }
 
 // --- real-KV fingerprint ------------------------------------------------------

@@ -335,7 +335,7 @@ __device__ void plan_scan(const PlanArgs& a, i64* sh, i64& vtotal, i64& wtotal) 
 struct CheckArgs {
     const i64* records;  // [num_slots, 4]
     i64 num_slots;
-    i64* ring;  // [ring_capacity, 10]
+    i64* ring;  // [ring_capacity, VIOLATION_WORDS]
     i64* head;
     i64 ring_capacity;
     i64* counters;  // [NUM_COUNTERS]
@@ -388,6 +388,7 @@ __device__ __forceinline__ u64 lane_fingerprints(const CheckArgs& c, i64 slot, b
 struct EntryCheck {
     i64 bits, pos, tok;
     u64 link, elink;
+    u64 fp, efp;  // the record's fingerprint and the live bytes' (the record's when not checked)
 };
 
 // verify.cu's check of one entry, for the entry each lane of a warp derived: entries
@@ -418,7 +419,7 @@ __device__ __forceinline__ bool entry_check(const CheckArgs& c, bool act, i64 sl
     const u64 plink = predecessor_link<kScan>(r, pr, prev_below, 1);
     u64 fp = 0;
     if (kFp) fp = lane_fingerprints(c, slot, fp_sel, g);
-    out = EntryCheck{0, -1, -1, 0, 0};
+    out = EntryCheck{0, -1, -1, 0, 0, r.fingerprint, fp_sel ? fp : r.fingerprint};
     if (live) {
         ++checked;
         if (reserved) {
@@ -443,8 +444,9 @@ __device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 ro
                                             i64 etok, int g, i64 phase, i64& checked) {
     EntryCheck x;
     entry_check<kFp, kScan>(c, act, slot, prev, epos, etok, g, phase, checked, x);
-    append_violation(c.ring, c.head, c.ring_capacity, x.bits != 0, c.tag, slot, x.pos, x.tok, etok, x.link, x.elink,
-                     x.bits, row, epos);
+    const bool has = x.bits != 0;
+    append_violation(c.ring, c.head, c.ring_capacity, has, c.tag, slot, x.pos, x.tok, etok, x.link, x.elink, x.bits,
+                     row, epos, entry_detail(prev, prev_position_of(c.records, c.num_slots, has, prev), x.fp, x.efp));
 }
 
 // The verify entries, each warp a contiguous run of them, 32 at a time. Offsets

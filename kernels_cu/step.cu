@@ -140,7 +140,8 @@ struct StepWrite {
             const bool span_bad = r < nrows && !skip && (o0 < 0 || o1 > avail || o1 < o0);
             const bool seed_bad = r < nrows && !skip && !span_bad && (seed < -1 || seed >= N);
             append_violation(w.ring, w.head, w.ring_capacity, span_bad || seed_bad, w.tag, span_bad ? -1 : seed,
-                             -1, -1, -1, 0, 0, span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1);
+                             -1, -1, -1, 0, 0, span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1,
+                             write_detail(-1, -1, o0, o1, avail));
             if (r < nrows && !skip && !span_bad && !seed_bad && o1 > o0) {
                 u64 x = first_link<kScan>();
                 int has = 0;
@@ -198,8 +199,10 @@ struct StepWrite {
             rec[0] = make_longlong2(t, ps);
             rec[1] = make_longlong2((i64)link, 0);  // no folds: the fingerprint is 0
         }
-        append_violation(w.ring, w.head, w.ring_capacity, bits != 0, w.tag, s, ps, t, etok, link, link, bits, r,
-                         epos);
+        const bool has = bits != 0;
+        append_violation(w.ring, w.head, w.ring_capacity, has, w.tag, s, ps, t, etok, link, link, bits, r, epos,
+                         write_detail(i, has && sh.has_prev[i] ? sh.prev[i] : -1, has ? w.offsets[r] : -1,
+                                      has ? w.offsets[r + 1] : -1, avail));
         if (i == 0) {
             atomicAdd((u64*)(w.counters + CTR_KERNEL_RUNS), 1ULL);  // the write's run
             if (written != 0) atomicAdd((u64*)(w.counters + CTR_SLOTS_WRITTEN), (u64)written);

@@ -32,7 +32,7 @@ struct VerifyArgs {
     const i64* num_valid;
     const i64* enable;
     i64 capacity;
-    i64* ring;  // [ring_capacity, 10]
+    i64* ring;  // [ring_capacity, VIOLATION_WORDS]
     i64* head;
     i64 ring_capacity;
     i64* counters;  // [NUM_COUNTERS]
@@ -119,8 +119,10 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 5) verify_entri
             has = bits != 0;
         }
         const i64 row = has ? row_of(a.offsets, a.offsets_len, e) : -1;
+        const RowDetail d = entry_detail(prev, prev_position_of(a.records, N, has, prev), r.fingerprint,
+                                         fp_sel ? fp : r.fingerprint);
         append_violation(a.ring, a.head, a.ring_capacity, has, a.tag, slot, pos, tok, etok, link, elink, bits, row,
-                         epos);
+                         epos, d);
     }
 
     i64 sum = block_sum(checked, sh);

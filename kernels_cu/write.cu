@@ -137,7 +137,7 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
         written += __popc(__ballot_sync(FULL_MASK, store));
         skipped += __popc(__ballot_sync(FULL_MASK, in && s < 0));
         append_violation(a.ring, a.head, a.ring_capacity, bits != 0, a.tag, s, p, t, etok, my_link, my_link, bits, r,
-                         epos);
+                         epos, write_detail(i, my_has_prev ? my_prev : -1, o0, o1, a.avail));
         __syncwarp();
     }
 }
@@ -305,8 +305,11 @@ __device__ __forceinline__ void store_chunk(const WriteArgs& a, const ScanChunk&
     }
     written += __popc(__ballot_sync(FULL_MASK, store));
     skipped += __popc(__ballot_sync(FULL_MASK, c.in && c.s < 0));
-    append_violation(a.ring, a.head, a.ring_capacity, bits != 0, a.tag, c.s, c.p, c.t, etok, my_link, my_link, bits, r,
-                     epos);
+    // The row's span, for its rows only: the callers' spans are not at hand in every route.
+    const bool has = bits != 0;
+    const i64 o0 = has ? a.offsets[r] : -1, o1 = has ? a.offsets[r + 1] : -1;
+    append_violation(a.ring, a.head, a.ring_capacity, has, a.tag, c.s, c.p, c.t, etok, my_link, my_link, bits, r,
+                     epos, write_detail(c.i, my_has_prev ? my_prev : -1, o0, o1, a.avail));
 }
 
 // The chain's state before a row's first token: its seed record's successor link
@@ -760,7 +763,8 @@ __device__ __forceinline__ bool row_ok(const WriteArgs& a, i64 r, i64 o0, i64 o1
     if (report)
         append_violation(a.ring, a.head, a.ring_capacity, lane_id() == 0 && (span_bad || seed_bad), a.tag,
                          span_bad ? -1 : seed, -1, -1, -1, 0, 0,
-                         span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1);
+                         span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1,
+                         write_detail(-1, -1, o0, o1, a.avail));
     return !span_bad && !seed_bad && o1 > o0;
 }
 

@@ -56,8 +56,25 @@ VIOLATION_COLUMNS = (
     "fail_bits",
     "batch_row",
     "expected_position",
+    # Past the ten columns of SGLang's rows (equal to its rows, byte for byte), what points
+    # at the damage (the header's RowDetail). A verify entry's row: its predecessor slot as
+    # planned (-1: the first entry) and the position that predecessor's record holds (-1:
+    # not read), the record's fingerprint and the live bytes' (the record's when the
+    # fingerprint was not checked).
+    "prev_slot",
+    "prev_position",
+    "stored_fingerprint",
+    "expected_fingerprint",
+    # A write's row: the token's index in the step's token arrays (-1: a fault of the row
+    # itself, its span or seed), the row's span there, and how many tokens the arrays hold
+    # (the shortest); the position of the token its chain follows is in prev_position.
+    "token_index",
+    "span_start",
+    "span_end",
+    "tokens_given",
 )
-VIOLATION_WORDS = len(VIOLATION_COLUMNS)  # 10
+VIOLATION_WORDS = len(VIOLATION_COLUMNS)  # 18
+SGLANG_VIOLATION_WORDS = 10  # the leading columns SGLang's rows have
 COL_TAG = 0
 COL_SLOT = 1
 COL_POSITION = 2
@@ -68,6 +85,17 @@ COL_EXPECTED_LINK = 6
 COL_FAIL_BITS = 7
 COL_BATCH_ROW = 8
 COL_EXPECTED_POSITION = 9
+COL_PREV_SLOT = 10
+COL_PREV_POSITION = 11
+COL_STORED_FINGERPRINT = 12
+COL_EXPECTED_FINGERPRINT = 13
+COL_TOKEN_INDEX = 14
+COL_SPAN_START = 15
+COL_SPAN_END = 16
+COL_TOKENS_GIVEN = 17
+# What a row holds in the columns it does not use (the header's no_detail).
+UNUSED_DETAIL = {"prev_slot": -1, "prev_position": -1, "stored_fingerprint": 0, "expected_fingerprint": 0,
+                 "token_index": -1, "span_start": -1, "span_end": -1, "tokens_given": -1}
 
 # A RANK_DIVERGENCE row (tag TP_AGREE) names ranks, not a slot: slot and batch_row
 # are -1 and these columns carry the agreement (Violation.rank and friends read them).

@@ -37,6 +37,19 @@ class Violation:
     reasons: FailReason
     batch_row: int
     expected_position: int
+    # What points at the damage (format.VIOLATION_COLUMNS 10..17; a column a row does not
+    # use holds -1, a fingerprint 0). A verify row: the predecessor record's slot and the
+    # position it holds, the record's fingerprint and the live K/V bytes'.
+    prev_slot: int = -1
+    prev_position: int = -1
+    stored_fingerprint: int = 0
+    expected_fingerprint: int = 0
+    # A write row: the token's index in the step's token arrays, its row's span there, and
+    # how many tokens those arrays hold.
+    token_index: int = -1
+    span_start: int = -1
+    span_end: int = -1
+    tokens_given: int = -1
     request: object = field(default=None, compare=False)  # the caller's request id, when mapped
 
     @classmethod
@@ -48,9 +61,7 @@ class Violation:
 
     def as_row(self) -> tuple:
         """The ring row this violation was decoded from (without the request id)."""
-        return (self.tag, self.slot, self.position, self.stored_token, self.expected_token,
-                self.stored_link, self.expected_link, int(self.reasons), self.batch_row,
-                self.expected_position)
+        return tuple(int(self.reasons) if name == "fail_bits" else getattr(self, name) for name in VIOLATION_COLUMNS)
 
     # --- tensor-parallel agreement rows (tag TP_AGREE; format.DIVERGENCE_COLUMNS) ----
     @property
@@ -116,27 +127,58 @@ class Violation:
         who = f"request {self.request!r} (batch row {self.batch_row})" if self.request is not None \
             else f"batch row {self.batch_row}"
         head = f"kvcanary violation [{self.reasons.describe()}] in {launch}, {who}"
+        span = f"span [{self.span_start}, {self.span_end})"
         if self.reasons == FailReason.INPUT_OUT_OF_RANGE:
-            return (head + ": the step's token arrays (input_ids, positions, out_cache_loc and the expected "
-                    "inputs) end before this row's span of the write plan (the sum of the extend lengths up to "
-                    "it); nothing of the row was stamped")
+            return (head + f": the row's {span} of the step's token arrays (the sum of the extend lengths up "
+                    f"to it) ends past those arrays, which hold {self.tokens_given} token(s) (input_ids, "
+                    "positions, out_cache_loc and the expected inputs: the shortest); nothing of the row was "
+                    "stamped")
         if self.reasons == FailReason.RESERVED_SLOT:
             return (head + f": the slot table maps position {self.expected_position} to slot 0, the reserved "
                     "padding slot (a freed or never-filled entry of a live request)")
-        return (f"kvcanary violation [{self.reasons.describe()}] in {launch}, {who}, slot {self.slot}: "
+        if self.token_index < 0 and self.span_start != -1 and FailReason.SLOT_OUT_OF_RANGE in self.reasons:
+            return (head + f": the row's chain seed, slot {self.slot}, lies outside the canary; nothing of its "
+                    f"{span} was stamped")
+        text = (f"{head}, slot {self.slot}: "
                 f"expected token {'-1 (not checked)' if self.expected_token == -1 else self.expected_token} "
                 f"position {self.expected_position} "
                 f"link {self.expected_link & 0xFFFFFFFFFFFFFFFF:#018x}; found token {self.stored_token} "
                 f"position {self.position} link {self.stored_link & 0xFFFFFFFFFFFFFFFF:#018x}")
+        return text + "".join(self._details())
+
+    def _details(self):
+        """The clauses that point at the damage, each for the reasons that need it."""
+        if self.token_index >= 0:  # a write's token
+            yield f"; token {self.token_index} of the step's token arrays, in the row's span [{self.span_start}, " \
+                  f"{self.span_end})"
+            if FailReason.WRITE_POSITION in self.reasons:
+                yield (f"; it follows position {self.prev_position}" if self.prev_position != -1
+                       else "; it follows no stored token")
+            return
+        if FailReason.CHAIN in self.reasons:
+            if self.prev_slot == -1:
+                yield "; the first record of its sequence: its link must be the anchor"
+            else:
+                held = (f"holds position {self.prev_position}" if self.prev_position != -1
+                        else "was not read")
+                yield (f"; its predecessor, slot {self.prev_slot} (expected position {self.expected_position - 1}), "
+                       f"{held}: that record or this one is damaged")
+        if FailReason.REAL_KV in self.reasons:
+            yield (f"; real-KV fingerprint stored {self.stored_fingerprint & 0xFFFFFFFFFFFFFFFF:#018x}, the slot's "
+                   f"K/V bytes now hash to {self.expected_fingerprint & 0xFFFFFFFFFFFFFFFF:#018x}")
+        if FailReason.SLOT_OUT_OF_RANGE in self.reasons and self.prev_slot != -1:
+            yield f"; predecessor slot {self.prev_slot}"
 
 
 class ViolationLog:
     """A device-side ring of violation rows plus counters, shared by any number of ops.
 
     Arrays (int64; NumPy on ``"cpu"``, CuPy on CUDA):
-        ring: ``[capacity, 10]`` rows ``[tag, slot, position, stored_token,
-            expected_token, stored_link, expected_link, fail_bits, batch_row,
-            expected_position]``. The ring fills once: rows past ``capacity`` are
+        ring: ``[capacity, 18]`` rows, the columns of ``format.VIOLATION_COLUMNS``:
+            ``[tag, slot, position, stored_token, expected_token, stored_link,
+            expected_link, fail_bits, batch_row, expected_position]`` (SGLang's rows),
+            then ``[prev_slot, prev_position, stored_fingerprint, expected_fingerprint,
+            token_index, span_start, span_end, tokens_given]`` (see :class:`Violation`). The ring fills once: rows past ``capacity`` are
             dropped and counted, never overwrite earlier rows.
         head: ``[1]`` append index; keeps counting past the capacity.
         counter_array: ``[6]`` (see :meth:`counters`): kernel runs, slots checked,
@@ -198,7 +240,7 @@ class ViolationLog:
 
     @classmethod
     def from_buffers(cls, *, ring, head, counters) -> "ViolationLog":
-        """Wrap caller-owned int64 arrays (``[capacity, 10]``, ``[1]``, ``[6]``) after the
+        """Wrap caller-owned int64 arrays (``[capacity, 18]``, ``[1]``, ``[6]``) after the
         constructor's checks."""
         return cls(ring, head, counters)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.format import VIOLATION_WORDS
 from kvcanary_cupy import runtime
 
 
@@ -55,9 +56,9 @@ def test_overlap_is_found_by_address_not_identity(xp):
         kc.VerifyPlan(**f)
     f["prev_slot_indices"] = backing[8:16]  # adjacent, not overlapping: fine
     assert kc.VerifyPlan(**f).capacity == 8
-    ring = xp.zeros((5, 10), dtype=xp.int64)
+    ring = xp.zeros((5, VIOLATION_WORDS), dtype=xp.int64)
     with raises(ValueError, "ViolationLog", "ring", "head"):
-        kc.ViolationLog(ring, ring[4, 9:10], xp.zeros(6, dtype=xp.int64))
+        kc.ViolationLog(ring, ring[4, -1:], xp.zeros(6, dtype=xp.int64))
     w = xp.zeros(12, dtype=xp.int64)
     with raises(ValueError, "WritePlan", "offsets", "seed_slots"):
         kc.WritePlan(offsets=w[0:3], seed_slots=w[2:4], num_rows=w[5:6], input_errors=w[6:7],
@@ -92,7 +93,7 @@ def test_read_only_arrays_are_refused_where_the_library_writes():
     with raises(ValueError, "records", "writable"):
         kc.CanaryBuffer(ro(np.zeros((8, 4), np.int64)))
     with raises(ValueError, "ring", "writable"):
-        kc.ViolationLog(ro(np.zeros((4, 10), np.int64)), np.zeros(1, np.int64), np.zeros(6, np.int64))
+        kc.ViolationLog(ro(np.zeros((4, VIOLATION_WORDS), np.int64)), np.zeros(1, np.int64), np.zeros(6, np.int64))
     with raises(ValueError, "state", "writable"):
         kc.FingerprintSampler(3, ro(np.zeros(2, np.int64)))
 
@@ -116,7 +117,8 @@ def test_a_plan_and_a_write_plan_sharing_memory_are_refused_at_the_call(xp):
 def test_a_log_inside_the_canary_is_refused_at_the_call(xp):
     records = xp.zeros((16, 4), dtype=xp.int64)
     canary = kc.CanaryBuffer(records)
-    log = kc.ViolationLog(records.reshape(-1)[32:62].reshape(3, 10), xp.zeros(1, dtype=xp.int64),
+    ring = records.reshape(-1)[8:8 + 3 * VIOLATION_WORDS].reshape(3, VIOLATION_WORDS)
+    log = kc.ViolationLog(ring, xp.zeros(1, dtype=xp.int64),
                           xp.zeros(6, dtype=xp.int64))
     vp = kc.VerifyPlan.allocate(capacity=4, max_batch=1, device=canary.device)
     with raises(ValueError, "verify", "canary.records", "log.ring"):

@@ -289,12 +289,15 @@ def model_write(recs, offsets, seeds, num_rows, ids, pos, loc, exp_tok, exp_pos,
         a, b = int(offsets[r]), int(offsets[r + 1])
         if int(seeds[r]) == kc.SEED_SKIP:  # the plan skipped the row: nothing stamped, nothing reported
             continue
+        # A write row's detail: no predecessor slot, the position its token follows, no
+        # fingerprints, the token's index, the row's span and the tokens the arrays hold.
+        span = (a, b, avail)
         if a < 0 or b > avail or b < a:
-            rows.append((tag, -1, -1, -1, -1, 0, 0, int(F.INPUT_OUT_OF_RANGE), r, -1))
+            rows.append((tag, -1, -1, -1, -1, 0, 0, int(F.INPUT_OUT_OF_RANGE), r, -1, -1, -1, 0, 0, -1) + span)
             continue
         sd = int(seeds[r])
         if sd < -1 or sd >= N:
-            rows.append((tag, sd, -1, -1, -1, 0, 0, int(F.SLOT_OUT_OF_RANGE), r, -1))
+            rows.append((tag, sd, -1, -1, -1, 0, 0, int(F.SLOT_OUT_OF_RANGE), r, -1, -1, -1, 0, 0, -1) + span)
             continue
         if sd == -1:
             running, prev = first_link(), None
@@ -324,7 +327,8 @@ def model_write(recs, offsets, seeds, num_rows, ids, pos, loc, exp_tok, exp_pos,
                 out[s] = [t, p, s64(running), s64(fingerprint_of(pools, mode, s))]
                 written += 1
             if bits:
-                rows.append((tag, s, p, t, etok, s64(running), s64(running), int(bits), r, epos))
+                rows.append((tag, s, p, t, etok, s64(running), s64(running), int(bits), r, epos,
+                             -1, -1 if prev is None else prev, 0, 0, i) + span)
             running, prev = nxt(running, t, p), p
     return out, rows, written, skipped
 
@@ -405,14 +409,19 @@ def model_verify(recs, slot, prev, epos, etok, offsets, n, check_tokens, tag, po
     def row_of(i):
         return max(r for r in range(len(offsets)) if offsets[r] <= i)
 
+    no_write = (-1, -1, -1, -1)  # a verify row's write columns
     for i in range(n):
         s, q = int(slot[i]), int(prev[i])
         checked += 1
+        # The position the predecessor record holds, when it lies in the canary past slot 0.
+        q_pos = int(recs[q, 1]) if 0 < q < N else -1
         if s == 0:  # a live row reads the reserved slot: reported, its record never read
-            rows.append((tag, 0, -1, -1, int(etok[i]), 0, 0, int(F.RESERVED_SLOT), row_of(i), int(epos[i])))
+            rows.append((tag, 0, -1, -1, int(etok[i]), 0, 0, int(F.RESERVED_SLOT), row_of(i), int(epos[i]),
+                         q, q_pos, 0, 0) + no_write)
             continue
         if not (0 <= s < N) or not (-1 <= q < N):
-            rows.append((tag, s, -1, -1, int(etok[i]), 0, 0, int(F.SLOT_OUT_OF_RANGE), row_of(i), int(epos[i])))
+            rows.append((tag, s, -1, -1, int(etok[i]), 0, 0, int(F.SLOT_OUT_OF_RANGE), row_of(i), int(epos[i]),
+                         q, q_pos, 0, 0) + no_write)
             continue
         t, p, lk, fp = (int(x) for x in recs[s])
         if q == -1:
@@ -428,11 +437,14 @@ def model_verify(recs, slot, prev, epos, etok, offsets, n, check_tokens, tag, po
             bits |= F.POSITION
         if check_tokens and int(etok[i]) != -1 and int(etok[i]) != t:
             bits |= F.TOKEN
+        live_fp = fp  # the stored fingerprint stands where this check computes none
         if phase is None or s % period == phase:
-            if fp & ((1 << 64) - 1) != fingerprint_of(pools, mode, s):
+            live_fp = s64(fingerprint_of(pools, mode, s))
+            if fp != live_fp:
                 bits |= F.REAL_KV
         if bits:
-            rows.append((tag, s, p, t, int(etok[i]), lk, s64(want), int(bits), row_of(i), int(epos[i])))
+            rows.append((tag, s, p, t, int(etok[i]), lk, s64(want), int(bits), row_of(i), int(epos[i]),
+                         q, q_pos, fp, live_fp) + no_write)
     return rows, checked
 
 

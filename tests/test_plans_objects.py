@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.format import VIOLATION_WORDS
 from kvcanary_cupy import RealKvMode
 from tests.workloads import arr, host
 
@@ -38,7 +39,7 @@ def test_allocate_owns_its_arrays(xp, device):
     assert wp.max_batch == 3 and wp.offsets.shape == (4,) and host(wp.seed_slots).tolist() == [-1] * 3
     assert int(host(wp.position_check)[0]) == 1 and int(host(wp.num_rows)[0]) == -1  # never planned
     log = kc.ViolationLog.allocate(capacity=5, device=device)
-    assert log.capacity == 5 and log.ring.shape == (5, 10) and log.count == 0
+    assert log.capacity == 5 and log.ring.shape == (5, VIOLATION_WORDS) and log.count == 0
     assert log.counters() == dict(kernel_runs=0, slots_checked=0, slots_written=0, verifies_skipped=0,
                                   writes_skipped=0, tokens_skipped=0)
     canary = kc.CanaryBuffer.allocate(num_slots=9, device=device)

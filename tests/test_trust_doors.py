@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.format import VIOLATION_WORDS
 
 
 def raises(exc, *names):
@@ -96,7 +97,7 @@ def test_fields_cannot_be_reassigned_or_deleted(obj, field, cls):
 def test_a_log_keeps_its_ring_so_every_row_reads_back():
     s = Step()
     s.prefill_then_decode()
-    other = np.zeros((16, 10), np.int64)
+    other = np.zeros((16, VIOLATION_WORDS), np.int64)
     with raises(TypeError, "ViolationLog.ring"):
         s.log.ring = other
     s.canary.records[17, 0] = 999  # the next verify finds slot 17's successor's chain broken

@@ -213,7 +213,8 @@ def test_rows_of_bad_input_say_what_was_wrong(xp, device, path):
     s([1, 2], [0, 0], [3, 2], [1, 2, 3], [0, 1, 2], [16, 17, 18])  # B's span is past the token arrays
     (short,) = s.log.read()
     assert (short.reasons, short.batch_row) == (F.INPUT_OUT_OF_RANGE, 1)
-    assert "token arrays" in str(short) and "end before this row's span" in str(short)
+    assert (short.span_start, short.span_end, short.tokens_given) == (3, 5, 3)
+    assert "span [3, 5) of the step's token arrays" in str(short) and "which hold 3 token(s)" in str(short)
     t = np.zeros((2, 8), np.int32)
     t[1, :3] = [0, 4, 17]
     s = Step(xp, device, path, table=t)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import kvcanary_cupy as kc
+from kvcanary_cupy import format as fmt
 from kvcanary_cupy.runtime import to_host
 from kvcanary_cupy.format import RealKvMode
 
@@ -474,16 +475,29 @@ class Env:
     def scalars(self) -> dict:
         return {f: int(host(getattr(self.vp, f))[0]) for f in kc.VerifyPlan.SCALAR_FIELDS}
 
-    def rows(self) -> list[tuple]:
-        """Violation rows as sorted tuples (GPU order is not deterministic)."""
-        return sorted(v.as_row() for v in self.log.read())
+    def rows(self, *, detail: bool = False) -> list[tuple]:
+        """Violation rows as sorted tuples (GPU order is not deterministic): SGLang's ten
+        columns, or every column with ``detail`` (``vrow`` / ``vrow_detail`` build them)."""
+        n = fmt.VIOLATION_WORDS if detail else fmt.SGLANG_VIOLATION_WORDS
+        return sorted(v.as_row()[:n] for v in self.log.read())
 
 
 def vrow(*, tag, slot, position=-1, stored_token=-1, expected_token=-1, stored_link=0, expected_link=0,
          bits, batch_row, expected_position=-1) -> tuple:
-    """A violation row as ``Violation.as_row`` gives it; links may be unsigned."""
+    """A violation row's first ten columns (SGLang's) as ``Violation.as_row`` gives them; links
+    may be unsigned."""
     return (int(tag), slot, position, stored_token, expected_token, s64(stored_link), s64(expected_link),
             int(bits), batch_row, expected_position)
+
+
+def vrow_detail(*, detail: dict, **sglang_columns) -> tuple:
+    """A whole violation row: ``vrow``'s columns, then the detail columns, each from ``detail``
+    (fingerprints may be unsigned) or its ``format.UNUSED_DETAIL`` value."""
+    unknown = set(detail) - set(fmt.UNUSED_DETAIL)
+    assert not unknown, unknown
+    tail = tuple(s64(detail.get(name, fmt.UNUSED_DETAIL[name]))
+                 for name in fmt.VIOLATION_COLUMNS[fmt.SGLANG_VIOLATION_WORDS:])
+    return vrow(**sglang_columns) + tail
 
 
 # --- the 1M-entry timing -----------------------------------------------------------

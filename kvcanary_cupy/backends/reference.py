@@ -55,9 +55,11 @@ def _append(log, rows: list[np.ndarray]) -> None:
 
 
 def _rows(n, **cols) -> np.ndarray:
+    """``n`` violation rows from per-column arrays or scalars; the detail columns a row does
+    not use take their ``format.UNUSED_DETAIL`` values."""
     out = np.empty((n, fmt.VIOLATION_WORDS), dtype=_I64)
     for i, name in enumerate(fmt.VIOLATION_COLUMNS):
-        out[:, i] = cols[name]
+        out[:, i] = cols[name] if name in cols else fmt.UNUSED_DETAIL[name]
     return out
 
 
@@ -268,12 +270,12 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
         r = np.nonzero(span_bad)[0]
         out.append(_rows(r.shape[0], tag=tag, slot=-1, position=-1, stored_token=-1, expected_token=-1,
                          stored_link=0, expected_link=0, fail_bits=int(FailReason.INPUT_OUT_OF_RANGE),
-                         batch_row=r, expected_position=-1))
+                         batch_row=r, expected_position=-1, span_start=o0[r], span_end=o1[r], tokens_given=avail))
     if seed_bad.any():
         r = np.nonzero(seed_bad)[0]
         out.append(_rows(r.shape[0], tag=tag, slot=seeds[r], position=-1, stored_token=-1, expected_token=-1,
                          stored_link=0, expected_link=0, fail_bits=int(FailReason.SLOT_OUT_OF_RANGE),
-                         batch_row=r, expected_position=-1))
+                         batch_row=r, expected_position=-1, span_start=o0[r], span_end=o1[r], tokens_given=avail))
     live = np.nonzero(~skip & ~span_bad & ~seed_bad & (o1 > o0))[0]
     if live.shape[0] == 0:
         _append(log, out)
@@ -344,9 +346,12 @@ def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources,
     v = np.nonzero(bits)[0]
     if v.shape[0]:
         link = stored_link[v].view(_I64)
+        row = live[row_l[v]]
         out.append(_rows(v.shape[0], tag=tag, slot=loc[v], position=poss[v], stored_token=toks[v],
                          expected_token=exp_tok_col[v], stored_link=link, expected_link=link,
-                         fail_bits=bits[v], batch_row=live[row_l[v]], expected_position=exp_pos_col[v]))
+                         fail_bits=bits[v], batch_row=row, expected_position=exp_pos_col[v],
+                         prev_position=np.where(has_prev[v], prev_p[v], -1), token_index=tok_idx[v],
+                         span_start=o0[row], span_end=o1[row], tokens_given=avail))
     _append(log, out)
 
 
@@ -390,11 +395,17 @@ def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
         et = etok[chk]
         bits[(et != -1) & (r[:, fmt.FIELD_TOKEN] != et)] |= int(FailReason.TOKEN)
     fp_sel = np.ones(chk.shape[0], dtype=bool) if phase is None else (s % sample.period) == phase
+    stored_fp = r[:, fmt.FIELD_FINGERPRINT]
+    live_fp = stored_fp.copy()  # a row's expected fingerprint: the stored one where none was computed
     if fp_sel.any():
         fp = fingerprints(sources, mode, s[fp_sel])
-        bad_fp = np.zeros(chk.shape[0], dtype=bool)
-        bad_fp[fp_sel] = _u(r[fp_sel, fmt.FIELD_FINGERPRINT]) != fp
-        bits[bad_fp] |= int(FailReason.REAL_KV)
+        live_fp[fp_sel] = fp.view(_I64)
+        bits[live_fp != stored_fp] |= int(FailReason.REAL_KV)
+
+    def prev_positions(e):  # what the predecessor records of entries e hold (-1: none read)
+        p_e = prev[e]
+        inside = (p_e > 0) & (p_e < N)
+        return np.where(inside, rec[np.where(inside, p_e, 0), fmt.FIELD_POSITION], -1)
 
     out = []
     e_oor = np.nonzero(oor | reserved)[0]  # entries whose record is not read
@@ -403,14 +414,17 @@ def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
                          expected_token=etok[e_oor], stored_link=0, expected_link=0,
                          fail_bits=np.where(reserved[e_oor], int(FailReason.RESERVED_SLOT),
                                             int(FailReason.SLOT_OUT_OF_RANGE)),
-                         batch_row=_batch_rows(vp, e_oor), expected_position=epos[e_oor]))
+                         batch_row=_batch_rows(vp, e_oor), expected_position=epos[e_oor],
+                         prev_slot=prev[e_oor], prev_position=prev_positions(e_oor)))
     v = np.nonzero(bits)[0]
     if v.shape[0]:
         e = chk[v]
         out.append(_rows(v.shape[0], tag=tag, slot=s[v], position=r[v, fmt.FIELD_POSITION],
                          stored_token=r[v, fmt.FIELD_TOKEN], expected_token=etok[e],
                          stored_link=stored_link[v].view(_I64), expected_link=exp_link[v].view(_I64),
-                         fail_bits=bits[v], batch_row=_batch_rows(vp, e), expected_position=epos[e]))
+                         fail_bits=bits[v], batch_row=_batch_rows(vp, e), expected_position=epos[e],
+                         prev_slot=prev[e], prev_position=prev_positions(e), stored_fingerprint=stored_fp[v],
+                         expected_fingerprint=live_fp[v]))
     if len(out) == 2:  # keep entry order, as a reader of the CPU log would expect
         both = np.concatenate(out)
         order = np.argsort(np.concatenate([e_oor, chk[v]]), kind="stable")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.format import VIOLATION_WORDS
 from tests.test_trust_doors import Step, raises
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +25,7 @@ def test_fields_are_fixed_and_rows_reach_the_ring_the_launch_was_prepared_with(c
     s = Step(cp)
     s.prefill_then_decode()
     s.verify(tag=2 ** 40)  # prepared before the refused reassignment below
-    other = cp.zeros((16, 10), dtype=cp.int64)
+    other = cp.zeros((16, VIOLATION_WORDS), dtype=cp.int64)
     with raises(TypeError, "ViolationLog.ring", "fixed for the object's life"):
         s.log.ring = other
     for obj, field in ((s.vp, "slot_indices"), (s.wp, "offsets"), (s.canary, "records")):
