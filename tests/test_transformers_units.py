@@ -12,9 +12,9 @@ from kvcanary_cupy import FailReason, Violation
 from kvcanary_cupy.integrations.transformers.groups import LayerGroup
 from kvcanary_cupy.integrations.transformers.hooks import Hooks
 from kvcanary_cupy.integrations.transformers.slots import SlotMap
-from kvcanary_cupy.integrations.transformers.tables import ExpectedTable, MirroredTable, RowPool, flatten, spans
+from kvcanary_cupy.integrations.engine.tables import ExpectedTable, MirroredTable, RowPool, flatten, spans
 from kvcanary_cupy.integrations.transformers.version import check_version
-from kvcanary_cupy.integrations.transformers.violations import EngineViolation, RequestTag, cancel_message
+from kvcanary_cupy.integrations.engine.violations import EngineViolation, RequestTag, cancel_message
 
 BS = 4
 
@@ -134,7 +134,7 @@ def test_sliding_group_slides_and_follows_a_changed_ring():
 
 def test_table_changes_reach_the_device_array():
     torch = pytest.importorskip("torch")
-    from kvcanary_cupy.integrations.transformers.staging import ChangeUpload  # noqa: PLC0415
+    from kvcanary_cupy.integrations.engine.staging import ChangeUpload  # noqa: PLC0415
 
     t = MirroredTable(3, 4, "cpu", fill=-1)
     t.cpu, t.array = False, torch.full((3, 4), -1, dtype=torch.int32)  # a device table, on the CPU

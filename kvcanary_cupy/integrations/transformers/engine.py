@@ -41,9 +41,9 @@ from .groups import build_groups
 from .hooks import Hooks
 from .moves import RecordMoves
 from .slots import SlotMap, bytes_per_row, kv_sources
-from .staging import ChangeUpload, StepArrays
-from .tables import ExpectedTable, RowPool
-from .violations import EngineViolation, cancel_message, request_tags
+from ..engine.staging import ChangeUpload, StepArrays
+from ..engine.tables import ExpectedTable, RowPool
+from ..engine.violations import EngineViolation, cancel_message, request_tags
 
 
 def device_name(device) -> str:

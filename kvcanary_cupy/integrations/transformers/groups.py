@@ -29,7 +29,7 @@ import operator
 
 import numpy as np
 
-from .tables import MirroredTable, as_ints, flatten, spans
+from ..engine.tables import MirroredTable, as_ints, flatten, spans
 
 # A window that moved by more positions than this is rewritten with NumPy rather than position by position.
 _SLIDE_MAX = 16

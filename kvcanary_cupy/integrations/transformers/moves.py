@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .violations import RequestTag
+from ..engine.violations import RequestTag
 
 
 class RecordMoves:

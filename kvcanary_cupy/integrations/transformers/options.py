@@ -7,16 +7,10 @@ would only fail the requests.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Callable
 
-import numpy as np
+from ..engine.options import OWNED, POLICIES, check_monitor_options, check_policy, check_positive_int, try_monitor
 
-# KvCanary arguments the adapter derives from the engine itself.
-OWNED = frozenset({"num_slots", "req_to_token", "block_table", "page_size", "max_batch", "real_kv", "swa",
-                   "expected_tokens", "token_offset", "draft", "policy", "max_tokens", "process_group", "window",
-                   "name"})
-POLICIES = ("log", "raise", "cancel")
+__all__ = ["OWNED", "POLICIES", "WatchOptions", "check_policy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,51 +45,13 @@ class WatchOptions:
             ...
             ValueError: kvcanary: block_table: watch() derives it from the engine; pass only policy, max_len and ...
         """
-        from ...monitor import KvCanary  # noqa: PLC0415
-
         opts = dict(options)
         policy = check_policy(opts.pop("policy", "log"))
-        max_len = opts.pop("max_len", None)
-        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
-                                    or max_len < 1):
-            raise ValueError(f"kvcanary: max_len: expected a positive int or None, got {max_len!r}")
-        params = inspect.signature(KvCanary.__init__).parameters
-        passthrough = sorted(p for p in params if p not in OWNED and p != "self")
-        for name in opts:
-            if name not in params or name in OWNED:
-                why = "watch() derives it from the engine" if name in OWNED else "not an option"
-                raise ValueError(f"kvcanary: {name}: {why}; pass only policy, max_len and KvCanary's options "
-                                 f"({', '.join(passthrough)})")
+        max_len = check_positive_int(opts.pop("max_len", None), "max_len")
+        check_monitor_options(opts, adapter="watch()", own="policy, max_len")
         device = opts.pop("device", None)
         if device is not None and not isinstance(device, str):
             raise TypeError(f"kvcanary: device: expected a device string such as 'cpu' or 'cuda:0', got "
                             f"{type(device).__name__}")
-        _try_monitor(opts)
-        return cls(policy=policy, max_len=None if max_len is None else int(max_len), device=device, monitor=opts)
-
-
-def check_policy(policy) -> str | Callable:
-    """``"log"``, ``"raise"``, ``"cancel"`` or a callable, else a ``kvcanary:`` error.
-
-    Example::
-
-        >>> check_policy("cancel")
-        'cancel'
-    """
-    if callable(policy) or (isinstance(policy, str) and policy in POLICIES):
-        return policy
-    raise ValueError(f"kvcanary: policy: expected 'log', 'raise', 'cancel' or a callable taking the list of "
-                     f"violations, got {policy!r}")
-
-
-def _try_monitor(opts: dict) -> None:
-    """Build tiny CPU monitors with ``opts``, configured as the engine's are (a full group's and
-    a sliding group's, real K/V fingerprinted), so a bad value or combination fails now with
-    KvCanary's own message rather than later, in the engine's generation thread."""
-    from ...canary import RealKvSource  # noqa: PLC0415
-    from ...monitor import KvCanary  # noqa: PLC0415
-
-    kv = RealKvSource(np.zeros((8, 16), np.uint8), bytes_per_token=16)
-    for table in (dict(block_table=np.zeros((2, 2), np.int32), page_size=4),
-                  dict(req_to_token=np.zeros((2, 8), np.int32), window=3)):
-        KvCanary(num_slots=8, max_batch=1, real_kv=kv, policy=lambda found: None, **table, **opts)
+        try_monitor(opts)
+        return cls(policy=policy, max_len=max_len, device=device, monitor=opts)

@@ -20,7 +20,7 @@ from .engine import EngineCanary, device_name, same_device
 from .hooks import Hooks
 from .options import WatchOptions
 from .version import check_version
-from .violations import log_all
+from ..engine.policy import IncidentPolicy
 
 _SUMMED = ("steps", "cancelled", "cancel_too_late", "outputs_dropped", "offloaded_requests", "restored_requests",
            "forked_blocks", "swept_records", "host_seconds", "updates_skipped")
@@ -131,7 +131,7 @@ class Watch:
         self._engines: list = []  # live EngineCanary s
         self._latest = None
         self._found: list = []
-        self._incidents: set = set()  # (request id, group, slot, reasons) the policy has seen
+        self._policy = IncidentPolicy(options.policy)  # the policy, each incident once
         self._unpolled = 0
         self._retired: list = []  # stats of engines let go
         self._error = None
@@ -201,34 +201,14 @@ class Watch:
         one request, group, slot and reasons once (rows no request claims, every time)."""
         with self.lock:
             self._found.extend(found)
-            new = []
-            for v in found:
-                key = (v.request_id, v.group, v.violation.slot, int(v.reasons))
-                if v.request_id is None or key not in self._incidents:
-                    self._incidents.add(key)
-                    new.append(v)
-        if not new:
-            return
-        found = new
-        policy = self.options.policy
-        if policy == "log":
-            log_all(found)
-        elif policy == "raise":
-            err = KvCanaryError(found)
+            new = self._policy.new(found)
+        try:
+            self._policy.apply(new, cancel=engine.cancel)
+        except KvCanaryError as err:
             with self.lock:
                 if self._error is None:
                     self._error = err
-            raise err
-        elif policy == "cancel":
-            log_all(found)
-            by_request: dict = {}
-            for v in found:
-                by_request.setdefault(v.request_id, []).append(v)
-            for rid, vs in by_request.items():
-                if rid is not None:
-                    engine.cancel(rid, vs)
-        else:
-            policy(found)
+            raise
 
     def record_error(self, e: BaseException) -> None:
         """An error in a hook (it is raised in the engine, which fails its requests): raised again on exit."""

@@ -1,0 +1,238 @@
+"""The connector's worker side: the canary around every forward of vLLM's worker.
+
+- ``register_kv_caches``: one :class:`~kvcanary_cupy.integrations.engine.block_table.BlockTableCanary`
+  per KV-cache group, with fingerprints that follow the attention backend's layout (:mod:`.layout`).
+- ``start_load_kv`` (before the forward: the scheduler side asks for it): take the step's
+  metadata (:mod:`.mirror`), name the request of every row of the attention metadata
+  (:mod:`.rows`), and verify every slot each row reads, in every group.
+- ``wait_for_save`` (after the forward): stamp every slot the step wrote; check the rows
+  that read another row's writes of the same step.
+- ``get_block_ids_with_load_errors``: under ``policy="cancel"``, one block per corrupted
+  request, which vLLM's failure path (``kv_load_failure_policy="fail"``) charges to that
+  request alone: it fails it, drops its token and evicts the block from the prefix cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from ...format import RealKvMode
+from ...monitor.policy import KvCanaryError, warn
+from ..engine.block_table import AttentionStep, BlockTableCanary
+from ..engine.policy import IncidentPolicy
+from ..engine.tables import RowPool
+from ..engine.violations import EngineViolation
+from .config import monitor_options
+from .layout import group_fingerprints
+from .mirror import RequestMirror
+from .rows import deferred_rows, match_rows
+
+logger = logging.getLogger("kvcanary")
+
+
+@dataclasses.dataclass
+class Group:
+    """One KV-cache group: its layers, block size and canary."""
+
+    index: int
+    kind: str
+    layers: tuple
+    block_size: int
+    canary: BlockTableCanary
+
+
+class WorkerSide:
+    """The canaries of one worker and what drives them.
+
+    Args:
+        vllm_config: the engine's ``VllmConfig``.
+        kv_cache_config: vLLM's ``KVCacheConfig`` (groups, blocks).
+        options: the connector's checked options (:func:`~.config.parse_options`).
+    """
+
+    def __init__(self, vllm_config, kv_cache_config, options: dict):
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.options = options
+        self.policy = IncidentPolicy(options.get("policy", "log"))
+        groups = kv_cache_config.kv_cache_groups
+        if options.get("policy") == "cancel" and len(groups) > 1:
+            raise ValueError("kvcanary: policy: 'cancel' fails requests through vLLM's invalid-block path, which "
+                             f"supports one KV-cache group; this model has {len(groups)}: use 'log' or 'raise'")
+        if vllm_config.speculative_config is not None:
+            raise ValueError("kvcanary: speculative_config: speculative decoding writes draft tokens the scheduler "
+                             "does not know yet; the connector cannot watch it")
+        self.mirror = RequestMirror(len(groups))
+        self.groups: list = []
+        self.found: list = []  # every EngineViolation found
+        self.cancelled: dict = {}  # request id -> the block reported for it
+        self._load_errors: set = set()
+        self.steps = 0
+        self.empty_steps = 0
+        self.rows_unmatched = 0
+        self.cancel_unavailable = 0
+        self.host_seconds = 0.0
+        self._step = None  # (per group AttentionStep) between start_load_kv and wait_for_save
+
+    # ------------------------------------------------------------------ setup
+    def register(self, kv_caches: dict) -> None:
+        """Build each group's canary over ``kv_caches`` (layer name -> KV tensor)."""
+        import torch  # noqa: PLC0415
+
+        cfg = self.vllm_config
+        static = cfg.compilation_config.static_forward_context
+        mon = monitor_options(self.options)
+        mode = RealKvMode(int(mon.get("real_kv_mode", RealKvMode.PARTIAL)))
+        num_blocks = int(self.kv_cache_config.num_blocks)
+        max_batch = int(cfg.scheduler_config.max_num_seqs)
+        for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
+            spec = g.kv_cache_spec
+            bs = int(spec.block_size)
+            layers = {n: static[n] for n in g.layer_names if n in static}
+            fp = group_fingerprints(layers, kv_caches, block_size=bs, num_blocks=num_blocks, mode=mode)
+            t = kv_caches[g.layer_names[0]]
+            device = "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index or torch.cuda.current_device()}"
+            width = -(-int(cfg.model_config.max_model_len) // bs)
+            canary = BlockTableCanary(num_blocks=num_blocks, block_size=bs, rows=2 * max_batch + 1, width=width,
+                                      max_batch=max_batch, device=device, fingerprints=fp, name=f"group{i}",
+                                      options=mon)
+            self.groups.append(Group(i, type(spec).__name__, tuple(g.layer_names), bs, canary))
+        self.rows = RowPool(2 * max_batch + 1)
+
+    # ------------------------------------------------------------------ a step
+    def before_forward(self, meta, forward_context) -> None:
+        """``start_load_kv``: the step's metadata, then every group's pre-forward check."""
+        t0 = time.perf_counter()
+        try:
+            self._load_errors = set()
+            if self._step is not None:  # the previous forward never reached wait_for_save
+                for g in self.groups:
+                    g.canary.abort()
+                self._step = None
+            for rid in self.mirror.apply(meta):
+                self._request_left(rid)
+            md = getattr(forward_context, "attn_metadata", None) if forward_context is not None else None
+            if not md or not self.groups:
+                self.empty_steps += 1
+                return
+            if isinstance(md, list):
+                raise ValueError("kvcanary: micro-batching (DBO) splits a step's attention metadata; the connector "
+                                 "cannot watch it")
+            self.steps += 1
+            first = md[self.groups[0].layers[0]]
+            states, unmatched = match_rows(first, self.mirror, block_size=self.groups[0].block_size)
+            self.rows_unmatched += unmatched
+            rows, fresh = self.rows.rows_of(states)
+            steps = []
+            for g in self.groups:
+                a = md[g.layers[0]]
+                steps.append(AttentionStep(
+                    rows=list(rows), tags=[s.request_id for s in states], states=states, fresh=list(fresh),
+                    block_table=a.block_table, seq_lens=a.seq_lens, query_start_loc=a.query_start_loc,
+                    slot_mapping=a.slot_mapping, tokens=_step_tokens(states),
+                    deferred=deferred_rows(states, g.index, g.block_size),
+                    host_seq_lens=[s.computed + s.scheduled for s in states]))
+            self._step = steps
+            for g, step in zip(self.groups, steps):
+                self._report(g, g.canary.check_reads(step))
+        finally:
+            self.host_seconds += time.perf_counter() - t0
+
+    def after_forward(self) -> None:
+        """``wait_for_save``: stamp what the forward wrote, check the deferred rows."""
+        if self._step is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            steps, self._step = self._step, None
+            for g, step in zip(self.groups, steps):
+                self._report(g, g.canary.stamp_writes(step))
+        finally:
+            self.host_seconds += time.perf_counter() - t0
+
+    def load_errors(self) -> set:
+        """The blocks whose load failed this step (``policy="cancel"``'s requests)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # ------------------------------------------------------------------ reports
+    def _report(self, g: Group, rows: list) -> None:
+        if not rows:
+            return
+        found = [dataclasses.replace(EngineViolation.from_row(v, group=g.index, group_type=g.kind, layers=g.layers,
+                                                              shift=0), step=self.steps) for v in rows]
+        self.found.extend(found)
+        new = self.policy.new(found)
+        self.policy.apply(new, cancel=self._cancel)
+
+    def _cancel(self, rid, found: list) -> None:
+        """Charge one block to ``rid`` in this step's load errors: vLLM then fails it alone."""
+        if rid in self.cancelled:
+            self._load_errors.add(self.cancelled[rid])
+            return
+        r = self.mirror.live.get(rid)
+        block = None if r is None else _own_block(rid, r, self.mirror, found, self.groups[0].block_size)
+        if block is None:
+            self.cancel_unavailable += 1
+            warn(f"kvcanary: request {rid!r}: cannot be cancelled through vLLM's failure path (no computed block "
+                 f"of its own to report); its violations are logged")
+            return
+        self.cancelled[rid] = block
+        self._load_errors.add(block)
+
+    def _request_left(self, rid) -> None:
+        """A request finished or was preempted: its incidents end; its row may be reused."""
+        for g in self.groups:
+            g.canary.monitor.end_request(rid)
+        self.policy.forget_request(rid)
+        self.cancelled.pop(rid, None)
+
+    def stats(self) -> dict:
+        """The connector's counters and each group's monitor stats."""
+        per = {g.index: {"type": g.kind, "layers": g.layers, **g.canary.stats()} for g in self.groups}
+        return {"steps": self.steps, "empty_steps": self.empty_steps, "violations": len(self.found),
+                "cancelled": len(self.cancelled), "cancel_unavailable": self.cancel_unavailable,
+                "rows_unmatched": self.rows_unmatched, "host_seconds": self.host_seconds,
+                "host_us_per_step": 1e6 * self.host_seconds / self.steps if self.steps else 0.0,
+                "slots_checked": sum(p["slots_checked"] for p in per.values()),
+                "slots_written": sum(p["slots_written"] for p in per.values()), "groups": per}
+
+    def close(self) -> None:
+        for g in self.groups:
+            g.canary.monitor.close()
+
+
+def _step_tokens(states) -> list:
+    """The step's token ids, row after row: each row's ``scheduled`` tokens from ``computed``
+    (-1 where the row could not be named: its tokens are then never stamped as another's)."""
+    out = []
+    for s in states:
+        toks = s.initial_tokens[s.computed:s.computed + s.scheduled]
+        out.extend(toks)
+        if len(toks) < s.scheduled:
+            out.extend([-1] * (s.scheduled - len(toks)))
+    return out
+
+
+def _own_block(rid, r, mirror, found: list, block_size: int):
+    """A block among ``rid``'s computed blocks that no other live request holds (vLLM fails every
+    request whose computed blocks include a reported block): the damaged block if it is its
+    own alone, else its last computed block of its own; None if it has none."""
+    blocks = r.blocks[0] if r.blocks else []
+    computed = -(-r.computed // block_size)
+    mine = blocks[:computed]
+    if not mine:
+        return None
+    others = set()
+    for other_id, o in mirror.live.items():
+        if other_id != rid and o.blocks:
+            others.update(o.blocks[0])
+    for v in found:
+        b = v.violation.slot // block_size
+        if b in mine and b not in others:
+            return b
+    for b in reversed(mine):
+        if b not in others:
+            return b
+    return None
