@@ -50,6 +50,13 @@ inline constexpr i64 FAIL_RESERVED_SLOT = 512;
 // RowDetail's eight.
 inline constexpr i64 VIOLATION_WORDS = 18;
 
+// --- a verify plan's first input error (format.INPUT_ERROR_FIELDS) ------------
+// [batch_row, request_row, prefix_len, extend_len, position, table_value]: the lowest live
+// batch row of the latest plan that could not be planned (batch_row -1: none), and for a row
+// whose scalars were in range, the first position it reads whose table entry is unreadable
+// and that entry (-1, -1 when the row's own scalars are out of range).
+inline constexpr i64 INPUT_ERROR_WORDS = 6;
+
 // --- log counters -----------------------------------------------------------
 inline constexpr i64 NUM_COUNTERS = 6;
 inline constexpr i64 CTR_KERNEL_RUNS = 0;

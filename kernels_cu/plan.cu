@@ -59,6 +59,7 @@ struct PlanArgs {
     i64* vp_input_errors;
     i64* vp_overflows;      // plans whose total exceeded the capacity (cumulative)
     i64* vp_max_requested;  // the largest total any plan asked for (running max)
+    i64* vp_first_error;    // [INPUT_ERROR_WORDS] the plan's first input error, or null
     i64 vp_capacity, vp_max_batch;
     i64* wp_offsets;  // write plan, or all null
     i64* wp_seeds;    // [wp_max_batch]
@@ -80,6 +81,8 @@ struct PlanArgs {
 inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_SCANNED = 16;
 // bs - r for the first row r whose extend length is out of range (a running max; 0: none).
 inline constexpr int SYNC_UNKNOWN_SPAN = 4;
+// bs - r for the first live row r that could not be planned (block route; 0: none).
+inline constexpr int SYNC_FIRST_ERROR = 5;
 inline constexpr int SYNC_VERDICTS = 32;
 inline constexpr int SMALL_ROWS = 256;  // rows the small route takes at most
 inline constexpr int SYNC_CHECKED = SYNC_VERDICTS + SMALL_ROWS;
@@ -277,7 +280,10 @@ __device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors, 
     }
     if (threadIdx.x == 0) {
         bool valid = ok && readable;
-        if (active && !valid) ++errors;
+        if (active && !valid) {  // rare: the last block out describes the first such row
+            ++errors;
+            atomicMax(a.sync + SYNC_FIRST_ERROR, a.bs - r);
+        }
         if (a.vp_offsets != nullptr) a.vp_offsets[r + 1] = valid ? P - start : 0;
         if (a.wp_offsets != nullptr) {
             const bool known = span_known(a, E);
@@ -326,6 +332,39 @@ __device__ void plan_scan(const PlanArgs& a, i64* sh, i64& vtotal, i64& wtotal) 
         wtotal = scan_counts(a.wp_offsets, a.bs, sh);
         if (threadIdx.x == 0) *a.wp_num_rows = a.bs;
         plan_skip_after_unknown(a, sh);
+    }
+}
+
+// The verify plan's first input error (INPUT_ERROR_WORDS): row r's inputs and, when they
+// are in range, its first unreadable position and that position's table entry; r < 0: none.
+// r is uniform over the block; every thread calls it. Runs only on a step with such a row.
+__device__ void describe_input_error(const PlanArgs& a, i64 r) {
+    if (a.vp_first_error == nullptr) return;
+    i64* out = a.vp_first_error;
+    if (r < 0) {
+        if (threadIdx.x == 0)
+            for (int k = 0; k < INPUT_ERROR_WORDS; ++k) out[k] = -1;
+        return;
+    }
+    const i64 rp = load_index(a.rpi, width_bit(a.widths, W_RPI), r);
+    const i64 P = load_index(a.pre, width_bit(a.widths, W_PRE), r);
+    const i64 E = load_index(a.ext, width_bit(a.widths, W_EXT), r);
+    i64 first = I64_MAX;
+    if (row_inputs_ok(a, rp, P, E)) {
+        const i64 start = window_start(a, P);
+        for (i64 pos = (start > 0 ? start - 1 : 0) + threadIdx.x; pos < P && first == I64_MAX; pos += blockDim.x)
+            if (slot_at(a, rp, pos) < 0) first = pos;
+    }
+    // The lowest position any thread found: a block-wide minimum over the threads' firsts.
+    __shared__ unsigned long long s_first;
+    if (threadIdx.x == 0) s_first = (unsigned long long)I64_MAX;
+    __syncthreads();
+    if (first != I64_MAX) atomicMin(&s_first, (unsigned long long)first);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const i64 pos = s_first == (unsigned long long)I64_MAX ? -1 : (i64)s_first;
+        const i64 words[INPUT_ERROR_WORDS] = {r, rp, P, E, pos, pos < 0 ? -1 : table_at(a, rp, pos)};
+        for (int k = 0; k < INPUT_ERROR_WORDS; ++k) out[k] = words[k];
     }
 }
 
@@ -758,9 +797,10 @@ __device__ void small_compact(const PlanArgs& a, const SmallRows& s) {
 // The small route's last block: the offsets, seeds and plan scalars from the rows'
 // verdicts, the verdicts and per-row counts cleared for the next launch. Every thread
 // calls it. `invalid`: the launch's warps that found a position unreadable; with none,
-// every row whose inputs are in range is valid and nothing needs reading back.
+// every row whose inputs are in range is valid and nothing needs reading back. Returns
+// the first live row that could not be planned (-1: none), in every thread.
 template <bool kVerify>
-__device__ __forceinline__ void small_finish(const PlanArgs& a, const CheckArgs* c, SmallRows& s, i64 invalid,
+__device__ __forceinline__ i64 small_finish(const PlanArgs& a, const CheckArgs* c, SmallRows& s, i64 invalid,
                                              i64* scratch) {
     i64* sync = a.sync;
     const i64 r = threadIdx.x;
@@ -796,6 +836,15 @@ __device__ __forceinline__ void small_finish(const PlanArgs& a, const CheckArgs*
     }
     const i64 errors = __syncthreads_count(error);
     const i64 unstamped = __syncthreads_count(r < a.bs && s.rp[r] != PADDING_REQ && !stamps);
+    __shared__ i64 s_first;
+    i64 first_error = -1;
+    if (errors != 0) {  // uniform; rare
+        i64 total;
+        const i64 before = block_scan((i64)error, scratch, total) - (i64)error;
+        if (error && before == 0) s_first = r;
+        __syncthreads();
+        first_error = s_first;
+    }
     const i64 undone = kVerify && invalid != 0 ? block_sum(undo, scratch) : 0;  // thread 0
     i64 vt, wt;
     const i64 vi = block_scan(vc, scratch, vt);
@@ -826,6 +875,7 @@ __device__ __forceinline__ void small_finish(const PlanArgs& a, const CheckArgs*
         }
         if (undone != 0) atomicAdd((u64*)(c->counters + CTR_SLOTS_CHECKED), (u64)(-undone));
     }
+    return first_error;
 }
 
 // What the last block out runs after the plan (step.cu's write); by default nothing. A tail
@@ -862,10 +912,10 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
     i64 checked = 0;
     __shared__ u64 s_digest[32];  // kVerify with c->digest: per warp, its entries' terms
     s_digest[threadIdx.x >> 5] = 0;  // before the barriers below
+    i64 errors = 0;  // thread 0: the block route's rows this block could not plan
     if (small) {
         small_tiles<kVerify, kFp, kScan, Tail::kSeeds>(a, c, s_small, kVerify ? s_phase : -1, checked);
     } else {
-        i64 errors = 0;       // thread 0
         bool scanner = false;  // thread 0
         for (;;) {
             if (threadIdx.x == 0) s_row = (i64)atomicAdd((u64*)(sync + SYNC_ROWS_CLAIMED), 1ULL);
@@ -920,12 +970,12 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
             }
         }
     }
-    // The exit count in the low word; the small route's warps that found a position unreadable in the high word, so
-    // that the last block out learns of them from the same atomic.
+    // The exit count in the low word; in the high word the small route's warps that found a position unreadable, or
+    // the block route's rows that could not be planned, so that the last block out learns of them from the same atomic.
     __shared__ i64 s_invalid;
     if (threadIdx.x == 0) {
         __threadfence();
-        const u64 mine = small ? s_small.invalid : 0;
+        const u64 mine = small ? s_small.invalid : (u64)errors;
         const u64 before = atomicAdd((u64*)(sync + SYNC_EXITED), 1ULL + (mine << 32));
         s_last = (before & 0xFFFFFFFFULL) == (u64)(gridDim.x - 1);
         s_invalid = (i64)((before >> 32) + mine);
@@ -937,7 +987,15 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
     // it below (the verdicts of a step with unreadable rows, the digest's scalars): a clean
     // small step's last block waits for nothing.
     if ((small && s_invalid != 0) || (kVerify && c->digest != nullptr)) __threadfence();
-    if (small) small_finish<kVerify>(a, c, s_small, s_invalid, sh);
+    __shared__ i64 s_first_error;
+    if (small) {
+        const i64 first = small_finish<kVerify>(a, c, s_small, s_invalid, sh);
+        if (threadIdx.x == 0) s_first_error = first;
+    } else if (threadIdx.x == 0) {
+        s_first_error = s_invalid != 0 ? a.bs - (i64)atomicExch((u64*)(sync + SYNC_FIRST_ERROR), 0ULL) : -1;
+    }
+    __syncthreads();
+    describe_input_error(a, s_first_error);
     if (threadIdx.x == 0) {
         sync[SYNC_ROWS_CLAIMED] = 0;
         sync[SYNC_ROWS_DONE] = 0;

@@ -108,6 +108,13 @@ DIVERGENCE_COLUMNS = {
     "reference_digest": "expected_link",  # the majority's digest
 }
 
+# --- a verify plan's first input error (VerifyPlan.first_input_error) --------
+# The lowest live batch row of the latest plan that could not be planned (batch_row -1:
+# none), its inputs, and, when those were in range, the first position it reads whose
+# table entry is unreadable and that entry (position and table_value -1 otherwise).
+INPUT_ERROR_FIELDS = ("batch_row", "request_row", "prefix_len", "extend_len", "position", "table_value")
+INPUT_ERROR_WORDS = len(INPUT_ERROR_FIELDS)
+
 # --- tensor-parallel agreement (kernels_cu/digest.cu) ------------------------
 # One digest row descriptor: [data address, length, count address (0: the length),
 # gate address (0: none; the row counts nothing unless the gate holds 1), element bytes

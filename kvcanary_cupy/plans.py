@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import arrays, runtime, scalars
+from .format import INPUT_ERROR_FIELDS, INPUT_ERROR_WORDS
 from .launch_cache import LaunchCache
 
 _I64 = arrays.INT64
@@ -49,6 +50,37 @@ def _length(obj, name: str, cls_name: str) -> int:
     return int(v.shape[0])
 
 
+def decode_input_error(words) -> dict | None:
+    """A plan's ``first_input_error`` words as a dict of ``format.INPUT_ERROR_FIELDS``, or None
+    when the plan dropped no row.
+
+    Example::
+
+        >>> decode_input_error([2, 5, 40, 1, -1, -1])["prefix_len"], decode_input_error([-1] * 6)
+        (40, None)
+    """
+    got = dict(zip(INPUT_ERROR_FIELDS, (int(w) for w in words)))
+    return got if got["batch_row"] >= 0 else None
+
+
+def describe_input_error(e: dict, *, request=None, page_size: int = 1) -> str:
+    """One line on a dropped row: which batch row (and request, when known), and what of its
+    input was out of range (the table entry at fault, when its lengths were in range).
+
+    Example::
+
+        >>> describe_input_error(dict(batch_row=1, request_row=3, prefix_len=4, extend_len=1, position=2,
+        ...                           table_value=-1), request="b")
+        "batch row 1 (request 'b'), request-table row 3, prefix 4, extend 1: the table entry for position 2 is -1 (unreadable)"
+    """
+    who = f"batch row {e['batch_row']}" + (f" (request {request!r})" if request is not None else "")
+    head = f"{who}, request-table row {e['request_row']}, prefix {e['prefix_len']}, extend {e['extend_len']}"
+    if e["position"] < 0:
+        return head + ": the request-table row or the lengths lie outside the tables"
+    entry = "table entry" if page_size == 1 else f"block-table entry (page {e['position'] // page_size})"
+    return head + f": the {entry} for position {e['position']} is {e['table_value']} (unreadable)"
+
+
 @arrays.fixed
 @dataclass(frozen=True, eq=False)
 class VerifyPlan:
@@ -68,6 +100,11 @@ class VerifyPlan:
             then, cumulative over plans so a report read late loses nothing: rows
             dropped for out-of-range data, plans that overflowed, and the most
             entries any plan asked for (what the capacity must be to hold them all).
+        first_input_error: ``[6]``, where the latest plan's first dropped row went wrong
+            (``format.INPUT_ERROR_FIELDS``): its batch row (-1: no row was dropped),
+            request-table row, prefix and extend lengths, and, when those were in range,
+            the first position it reads whose table entry is unreadable and that entry
+            (else -1, -1). Written by every plan; :meth:`host_first_input_error` reads it.
         launches: the prepared plan calls made with this plan as owner
             (:class:`~kvcanary_cupy.launch_cache.LaunchCache`); they go with it.
 
@@ -89,19 +126,23 @@ class VerifyPlan:
     input_errors: object
     overflows: object
     max_requested: object
+    first_input_error: object = None
     launches: LaunchCache = field(default_factory=LaunchCache, init=False, repr=False, compare=False)
 
     ENTRY_FIELDS = ("slot_indices", "prev_slot_indices", "expected_positions", "expected_tokens")
     SCALAR_FIELDS = ("num_valid", "enable", "requested", "input_errors", "overflows", "max_requested")
-    FIELDS = ENTRY_FIELDS + ("offsets",) + SCALAR_FIELDS
+    FIELDS = ENTRY_FIELDS + ("offsets",) + SCALAR_FIELDS + ("first_input_error",)
 
     def __post_init__(self):
         cap = _length(self, "slot_indices", "VerifyPlan")
         mb = _length(self, "offsets", "VerifyPlan") - 1
         if mb < 1:
             raise ValueError(f"kvcanary: VerifyPlan: offsets has length {mb + 1}, expected max_batch + 1 >= 2")
+        if self.first_input_error is None:  # not given: one of its own, beside the offsets
+            dev = runtime.device_of(arrays.as_array(self.offsets, "VerifyPlan.offsets", dtypes=_I64))
+            object.__setattr__(self, "first_input_error", runtime.empty((INPUT_ERROR_WORDS,), np.int64, dev, fill=-1))
         _own_fields(self, {f: cap for f in self.ENTRY_FIELDS} | {"offsets": mb + 1}
-                    | {f: 1 for f in self.SCALAR_FIELDS})
+                    | {f: 1 for f in self.SCALAR_FIELDS} | {"first_input_error": INPUT_ERROR_WORDS})
 
     @classmethod
     def allocate(cls, *, capacity: int, max_batch: int, device: str = "cpu") -> "VerifyPlan":
@@ -116,17 +157,18 @@ class VerifyPlan:
     @classmethod
     def from_buffers(cls, *, slot_indices, prev_slot_indices, expected_positions, expected_tokens,
                      offsets, num_valid, enable, requested, input_errors, overflows=None,
-                     max_requested=None) -> "VerifyPlan":
+                     max_requested=None, first_input_error=None) -> "VerifyPlan":
         """Wrap caller-owned int64 arrays (e.g. from a graph pool) after checking they agree
-        (the same checks as the constructor). ``overflows`` and ``max_requested`` may be
-        omitted: zeroed device scalars are then allocated beside the caller's arrays."""
+        (the same checks as the constructor). ``overflows``, ``max_requested`` and
+        ``first_input_error`` may be omitted: they are then allocated beside the caller's
+        arrays (zeroed scalars; no input error)."""
         dev = runtime.device_of(arrays.as_array(offsets, "VerifyPlan.offsets", dtypes=_I64))
         return cls(slot_indices=slot_indices, prev_slot_indices=prev_slot_indices,
                    expected_positions=expected_positions, expected_tokens=expected_tokens, offsets=offsets,
                    num_valid=num_valid, enable=enable, requested=requested, input_errors=input_errors,
                    overflows=runtime.empty((1,), np.int64, dev, fill=0) if overflows is None else overflows,
                    max_requested=runtime.empty((1,), np.int64, dev, fill=0) if max_requested is None
-                   else max_requested)
+                   else max_requested, first_input_error=first_input_error)
 
     @property
     def capacity(self) -> int:
@@ -143,6 +185,11 @@ class VerifyPlan:
     def host_scalars(self) -> dict:
         """``num_valid``, ``enable``, ``requested``, ``input_errors`` as ints (synchronizes)."""
         return {f: int(runtime.to_host(getattr(self, f))[0]) for f in self.SCALAR_FIELDS}
+
+    def host_first_input_error(self) -> dict | None:
+        """Where the latest plan's first dropped row went wrong (see ``first_input_error``), as
+        a dict of ``format.INPUT_ERROR_FIELDS``, or None when it dropped none (synchronizes)."""
+        return decode_input_error(runtime.to_host(self.first_input_error))
 
     def host_entries(self) -> dict:
         """The first ``num_valid`` entries of each entry array, as NumPy (synchronizes)."""

@@ -259,6 +259,18 @@ def test_out_of_range_plan_input_is_reported(xp, device):
     assert toy.mon.stats()["input_errors"] == 1
 
 
+def test_the_input_warning_names_the_row_its_request_and_the_table_entry(xp, device):
+    toy = Toy(xp, device)
+    toy.step([1, 2], [3, 3], request_ids=["a", "b"])
+    toy.set_entry(2, 1, -5)  # request b's position 1 now maps to no slot
+    with pytest.warns(KvCanaryWarning) as got:
+        toy.step([1, 2], [1, 1], request_ids=["a", "b"])
+        drain(toy.mon, xp)
+    (msg,) = [str(w.message) for w in got if "plan input" in str(w.message)]
+    assert ("in the latest step, batch row 1 (request 'b'), request-table row 2, prefix 3, extend 1: the table "
+            "entry for position 1 is -5 (unreadable)") in msg
+
+
 def test_default_capacity_rule():
     t = np.zeros((9, 100), np.int32)
     assert kc.KvCanary(num_slots=500, req_to_token=t, max_batch=8).verify_plan.capacity == 500

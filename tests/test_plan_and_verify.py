@@ -30,7 +30,7 @@ def _state(r: Runner):
                                .tolist())
     out = {"rows": rows, "head": int(host(r.log.head)[0]), "counters": host(r.log.counter_array).tolist(),
            "records": host(r.canary.records).tolist()}
-    for f in kc.VerifyPlan.SCALAR_FIELDS + ("offsets",):
+    for f in kc.VerifyPlan.SCALAR_FIELDS + ("offsets", "first_input_error"):
         out["vp." + f] = host(getattr(r.vp, f)).tolist()
     for f in kc.WritePlan.FIELDS:
         out["wp." + f] = host(getattr(r.wp, f)).tolist()

@@ -109,3 +109,33 @@ def test_rows_keep_sglangs_ten_columns_first():
         "batch_row", "expected_position")
     assert set(kc.format.VIOLATION_COLUMNS[kc.format.SGLANG_VIOLATION_WORDS:]) == set(kc.format.UNUSED_DETAIL)
     assert np.int64(0).itemsize * kc.format.VIOLATION_WORDS % 16 == 0  # rows stored as 16-byte pairs
+
+
+def test_a_plan_names_its_first_dropped_row_and_the_table_entry_at_fault(xp, device, path, pad):
+    table = np.arange(64, dtype=np.int32).reshape(4, 16)
+    table[3, 2] = -1  # request row 3's position 2 has no slot
+    s = Step(xp, device, path, table=table, pad=pad)
+    # Batch rows: 0 healthy, 1 reads the hole at position 2, 2 names request row 9 (no such row), 3 the hole again.
+    s([1, 3, 9, 3], [2, 4, 0, 5], [1, 1, 1, 1], [11, 12, 13, 14], [2, 4, 0, 5], [18, 52, 60, 53])
+    assert s.vp.host_first_input_error() == dict(batch_row=1, request_row=3, prefix_len=4, extend_len=1, position=2,
+                                                 table_value=-1)
+    assert int(host(s.vp.input_errors)[0]) == 3
+    s([9, 1], [0, 3], [1, 1], [13, 14], [0, 3], [60, 19])  # the request row itself is out of range
+    assert s.vp.host_first_input_error() == dict(batch_row=0, request_row=9, prefix_len=0, extend_len=1, position=-1,
+                                                 table_value=-1)
+    s([1], [4], [1], [15], [4], [20])  # a clean plan: no row dropped
+    assert s.vp.host_first_input_error() is None
+
+
+def test_a_page_table_names_the_block_entry(xp, device):
+    bt = np.zeros((3, 4), np.int32)
+    bt[1, :2] = [5, -7]  # request row 1's second block id is negative: unreadable
+    vp = kc.VerifyPlan.allocate(capacity=16, max_batch=1, device=device)
+    wp = kc.WritePlan.allocate(max_batch=1, device=device)
+    kc.plan(vp, wp, req_pool_indices=xp.asarray([1]), prefix_lens=xp.asarray([6]), extend_lens=xp.asarray([1]),
+            block_table=xp.asarray(bt), page_size=4)
+    got = vp.host_first_input_error()
+    assert got == dict(batch_row=0, request_row=1, prefix_len=6, extend_len=1, position=4, table_value=-7)
+    assert kc.plans.describe_input_error(got, request="a", page_size=4) == (
+        "batch row 0 (request 'a'), request-table row 1, prefix 6, extend 1: the block-table entry (page 1) for "
+        "position 4 is -7 (unreadable)")

@@ -43,7 +43,7 @@ PLAN_FIELDS = (
     "rpi", "pre", "ext", "table", "lut", "etab", "evl", "widths", "bs", "nreq", "twidth", "page", "lut_len",
     "swa_size", "erows", "ewidth", "eoffset",
     "vp_slot", "vp_prev", "vp_epos", "vp_etok", "vp_offsets", "vp_num_valid", "vp_enable", "vp_requested",
-    "vp_input_errors", "vp_overflows", "vp_max_requested", "vp_capacity", "vp_max_batch",
+    "vp_input_errors", "vp_overflows", "vp_max_requested", "vp_first_error", "vp_capacity", "vp_max_batch",
     "wp_offsets", "wp_seeds", "wp_num_rows", "wp_input_errors", "wp_max_batch", "sync", "small_max",
 )
 WRITE_FIELDS = (
@@ -337,7 +337,7 @@ def _plan_values(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, p
                  vp_offsets=_ptr(vp.offsets), vp_num_valid=_ptr(vp.num_valid), vp_enable=_ptr(vp.enable),
                  vp_requested=_ptr(vp.requested), vp_input_errors=_ptr(vp.input_errors),
                  vp_overflows=_ptr(vp.overflows), vp_max_requested=_ptr(vp.max_requested),
-                 vp_capacity=vp.capacity, vp_max_batch=vp.max_batch)
+                 vp_first_error=_ptr(vp.first_input_error), vp_capacity=vp.capacity, vp_max_batch=vp.max_batch)
     if wp is not None:
         v.update(wp_offsets=_ptr(wp.offsets), wp_seeds=_ptr(wp.seed_slots), wp_num_rows=_ptr(wp.num_rows),
                  wp_input_errors=_ptr(wp.input_errors), wp_max_batch=wp.max_batch)

@@ -139,11 +139,12 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
     # the seed at P - 1). Only counts come out, so memory stays bounded by the chunk
     # whatever the batch asks for.
     lo = np.where(ok, np.maximum(start - 1, 0), 0)
-    row_bad = np.zeros(bs, dtype=bool)
+    inputs_ok = ok.copy()
+    first_bad = np.full(bs, _I64_MAX, dtype=_I64)  # a row's first unreadable position
     for _, row, j in _spans(np.where(ok, P - lo, 0)):
         _, bad = _slots_at(table, page_size, rp[row], lo[row] + j, lut)
-        row_bad[row[bad]] = True
-    ok &= ~row_bad
+        np.minimum.at(first_bad, row[bad], (lo[row] + j)[bad])
+    ok &= first_bad == _I64_MAX
     errors = int(np.count_nonzero(active & ~ok))
     count = np.where(ok, P - start, 0)
     # The step's tokens are the engine's layout: every row keeps its span of E tokens whether
@@ -171,6 +172,13 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
         vp.input_errors[0] += errors
         vp.overflows[0] += 1 if total > cap else 0
         vp.max_requested[0] = max(int(vp.max_requested[0]), total)
+        vp.first_input_error[:] = -1
+        dropped = np.nonzero(active & ~ok)[0]
+        if dropped.shape[0]:  # the first row dropped: its inputs, and the table entry at fault
+            r = int(dropped[0])
+            pos = int(first_bad[r]) if inputs_ok[r] else -1
+            value = int(table[rp[r], pos // page_size]) if pos >= 0 else -1
+            vp.first_input_error[:] = [r, rp[r], P[r], E[r], pos, value]
         if total <= cap:
             # Phase 2: the entries, only now that they are known to fit.
             lim = None

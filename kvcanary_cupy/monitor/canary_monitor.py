@@ -1142,7 +1142,7 @@ class KvCanary:
         out = []
         if scal is not None:
             n = len(self.groups)
-            self._report(scal[:n], scal[n + 1], ptr)
+            self._report(scal[:n], scal[n + 1], ptr, upto_seq, replay_now)
             out = self._requests.map_rows(found, scal[n], upto_seq, replay_now)
             if self._agreement is not None:
                 out = self._agreement.release(out, scal[n + 2])
@@ -1175,8 +1175,9 @@ class KvCanary:
         The monitor may step on; later incidents are reported as usual but written nowhere."""
         self._outputs.close(step=self._steps)
 
-    def _report(self, group_scalars, counters, ptr) -> None:
-        """Warn about what a poll's copy shows beyond violations; grow overflowed plans."""
+    def _report(self, group_scalars, counters, ptr, upto_seq: int, replay_now: int) -> None:
+        """Warn about what a poll's copy shows beyond violations; grow overflowed plans. The
+        copy's plans are those of the newest step up to sequence ``upto_seq``."""
         self._reporter.writes_skipped(counters)
         for g, sc in zip(self.groups, group_scalars):
             c = g.counts(sc)
@@ -1185,7 +1186,11 @@ class KvCanary:
                 action = self._after_overflow(g, c["max_requested"], ptr)
                 self._reporter.overflowed(g.name, c["overflows"], max_requested=c["max_requested"], capacity=cap,
                                           action=action)
-            self._reporter.input_errors(g.name, c["input_errors"], c["rows_unstamped"])
+            first = c["first_input_error"]
+            request = None if first is None else self._requests.step_request(first["batch_row"], upto_seq,
+                                                                            replay_now)
+            self._reporter.input_errors(g.name, c["input_errors"], c["rows_unstamped"], first=first,
+                                        request=request, page_size=self.page_size)
 
     def _after_overflow(self, g, max_requested: int, ptr) -> str:
         """Grow ``g``'s verify plan to hold ``max_requested`` entries where that is safe; says what was done."""

@@ -17,15 +17,17 @@ import numpy as np
 from .. import arrays, ops, runtime, scalars
 from ..canary import CanaryBuffer, RealKvSource
 from ..digest import Digest, DigestRow
-from ..format import ENTRY_DIGEST_SALTS, LaunchTag, RealKvMode
-from ..plans import FingerprintSampler, SwaWindow, VerifyPlan, WritePlan
+from ..format import ENTRY_DIGEST_SALTS, INPUT_ERROR_WORDS, LaunchTag, RealKvMode
+from ..plans import FingerprintSampler, SwaWindow, VerifyPlan, WritePlan, decode_input_error
 
 # The group's scalar array: VerifyPlan's scalars, then WritePlan's, each named (plan, field).
 VERIFY_SCALARS = VerifyPlan.SCALAR_FIELDS
 WRITE_SCALARS = WritePlan.SCALAR_FIELDS
 SCALAR_LAYOUT = tuple(("verify", f) for f in VERIFY_SCALARS) + tuple(("write", f) for f in WRITE_SCALARS)
 _AT = {name: i for i, name in enumerate(SCALAR_LAYOUT)}
-SCALAR_WORDS = len(SCALAR_LAYOUT)
+# Then the verify plan's first input error (format.INPUT_ERROR_FIELDS), read with the scalars.
+_FIRST_ERROR = slice(len(SCALAR_LAYOUT), len(SCALAR_LAYOUT) + INPUT_ERROR_WORDS)
+SCALAR_WORDS = _FIRST_ERROR.stop
 # Cumulative counters, discarded with warm-up results (end_warmup).
 COUNTERS = (("verify", "input_errors"), ("verify", "overflows"), ("verify", "max_requested"),
             ("write", "input_errors"))
@@ -99,6 +101,7 @@ class Group:
         write = {f: self._scalar("write", f) for f in WRITE_SCALARS}
         write["position_check"].fill(1)
         write["num_rows"].fill(-1)  # never planned, like WritePlan.allocate
+        self.sc[_FIRST_ERROR].fill(-1)  # no input error, like VerifyPlan.allocate
         self.hard_capacity = hard_capacity
         self.vp = self._verify_plan(capacity, offsets=runtime.empty((max_batch + 1,), np.int64, device, fill=0))
         # Whether a step can ask for more entries than the plan holds (see capacity_rule: no step
@@ -139,7 +142,8 @@ class Group:
 
     def _verify_plan(self, capacity: int, offsets) -> VerifyPlan:
         e = {f: runtime.empty((capacity,), np.int64, self.device, fill=-1) for f in VerifyPlan.ENTRY_FIELDS}
-        return VerifyPlan.from_buffers(**e, offsets=offsets, **self._verify_scalars)
+        return VerifyPlan.from_buffers(**e, offsets=offsets, **self._verify_scalars,
+                                       first_input_error=self.sc[_FIRST_ERROR])
 
     def check_sources(self) -> None:
         """Refuse sources that are not on the device or do not cover the pool."""
@@ -204,11 +208,13 @@ class Group:
     @staticmethod
     def counts(sc: np.ndarray) -> dict:
         """``overflows``, ``input_errors`` (the verify plan's: live rows not verified),
-        ``rows_unstamped`` (the write plan's: live rows whose tokens were not stamped) and
-        ``max_requested`` from a host copy of :attr:`sc`."""
+        ``rows_unstamped`` (the write plan's: live rows whose tokens were not stamped),
+        ``max_requested`` and ``first_input_error`` (the latest plan's, decoded: see
+        :meth:`~kvcanary_cupy.VerifyPlan.host_first_input_error`) from a host copy of :attr:`sc`."""
         return {"overflows": int(sc[_AT["verify", "overflows"]]), "input_errors": int(sc[_AT["verify", "input_errors"]]),
                 "rows_unstamped": int(sc[_AT["write", "input_errors"]]),
-                "max_requested": int(sc[_AT["verify", "max_requested"]])}
+                "max_requested": int(sc[_AT["verify", "max_requested"]]),
+                "first_input_error": decode_input_error(sc[_FIRST_ERROR])}
 
 
 def main_group(*, num_slots: int, device: str, max_batch: int, width: int, verify_capacity, sources, mode,

@@ -13,6 +13,7 @@ import warnings
 from typing import Callable
 
 from ..format import COUNTER_NAMES
+from ..plans import describe_input_error
 from ..violations import Violation
 
 logger = logging.getLogger("kvcanary")
@@ -118,9 +119,12 @@ class Reporter:
              f"capacity {capacity}; grown to {grown} and planned again")
         self._seen[group]["overflows"] += 1
 
-    def input_errors(self, group: str, count: int, unstamped: int) -> None:
+    def input_errors(self, group: str, count: int, unstamped: int, *, first: dict | None = None, request=None,
+                     page_size: int = 1) -> None:
         """Warn about batch rows dropped for out-of-range plan input (``count``: not verified,
-        ``unstamped``: not stamped, both cumulative)."""
+        ``unstamped``: not stamped, both cumulative); ``first``: where the latest plan's first
+        dropped row went wrong (:meth:`~kvcanary_cupy.VerifyPlan.host_first_input_error`),
+        ``request`` its request id when known."""
         seen = self._seen[group]
         new, new_unstamped = count - seen["input_errors"], unstamped - seen["rows_unstamped"]
         if new > 0 or new_unstamped > 0:
@@ -128,6 +132,8 @@ class Reporter:
             if new > 0:
                 text += (f"{new} live batch row(s) had out-of-range plan input (request row, lengths or a "
                          f"table/LUT entry) and were not verified (stats()['input_errors']); ")
+                if first is not None:
+                    text += f"in the latest step, {describe_input_error(first, request=request, page_size=page_size)}; "
             if new_unstamped > 0:
                 text += (f"{new_unstamped} live batch row(s) stamped nothing: their own input was out of range, "
                          f"or they came after a row whose extend length is no span of the step's tokens "

@@ -59,6 +59,7 @@ class RequestMap:
         self._replay_ids: collections.OrderedDict = collections.OrderedDict()
         self._staged_replay = 0
         self._named = False  # whether rows of the newest sequence may name requests
+        self._sweeps: collections.OrderedDict = collections.OrderedDict()  # seqs of sweeps (their ids name chains)
         self._last_step = (None, False)  # (request ids, capturing) of the latest step, for resume()
         if not self._cpu:
             # The head snapshot is one 8-byte device-to-device copy per step, queued straight on
@@ -113,6 +114,7 @@ class RequestMap:
         """Open a sweep's sequence; its rows name the chains' ``keys``."""
         seq = self._next_seq(ptr)
         self._remember(self._ids, seq, keys)
+        self._remember(self._sweeps, seq, None)
         self._named = True
         return seq
 
@@ -166,6 +168,16 @@ class RequestMap:
             req = ids[v.batch_row] if ids is not None and 0 <= v.batch_row < len(ids) else None
             out.append(dataclasses.replace(v, request=req))
         return out
+
+    def step_request(self, batch_row: int, upto_seq: int, replay_now: int):
+        """The request id of ``batch_row`` in the newest step up to sequence ``upto_seq`` (the
+        step a poll's copy of the plans belongs to), or None where that step named none."""
+        for q in reversed(self._ids):
+            if q > upto_seq or q in self._sweeps:
+                continue
+            ids = self._replay_ids.get(replay_now) if q in self._captured_seqs else self._ids[q]
+            return ids[batch_row] if ids is not None and 0 <= batch_row < len(ids) else None
+        return None
 
     def map_ring(self, rows: list[Violation], heads: np.ndarray) -> list:
         """Every row of the ring, from its start, mapped; what polls have returned is unchanged."""

@@ -385,7 +385,7 @@ def _eq(what, a, b):
 
 def compare_plans(what, ref: Side, dev: Side, rvp, dvp, rwp, dwp):
     if rvp is not None:
-        for f in VerifyPlan.SCALAR_FIELDS + ("offsets",):
+        for f in VerifyPlan.SCALAR_FIELDS + ("offsets", "first_input_error"):
             _eq(f"{what} vp.{f}", dev.to_host(getattr(dvp, f)), ref.to_host(getattr(rvp, f)))
         # The entries are defined up to num_valid; a plan that overflowed writes none.
         n = int(ref.to_host(rvp.num_valid)[0])
@@ -439,7 +439,7 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
             if p is not None:
                 p.input_errors.fill(init_err)
         if st["vp"] is not None:
-            for f in VerifyPlan.ENTRY_FIELDS:
+            for f in VerifyPlan.ENTRY_FIELDS + ("first_input_error",):  # every plan writes the last
                 getattr(st["vp"], f).fill(POISON)
         if st["wp"] is not None:
             st["wp"].seed_slots.fill(POISON)
@@ -596,6 +596,7 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
         period, phase0 = int(rng.integers(1, 5)), int(rng.integers(-3, 10))
         for f in VerifyPlan.ENTRY_FIELDS:  # the fused op does not write the entries: keep them poisoned
             getattr(D["vp"], f).fill(POISON)
+        D["vp"].first_input_error.fill(POISON)  # it writes this one: an unwritten word shows
         for st in (R, D):
             side = st["side"]
             d = side.to_dev
@@ -615,7 +616,7 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
                 side.run("verify", st["canary"], st["vp"], **check_in)
             else:
                 side.run("plan_and_verify", st["vp"], st["wp"], st["canary"], **plan_in, **check_in)
-        for f in VerifyPlan.SCALAR_FIELDS + ("offsets",):
+        for f in VerifyPlan.SCALAR_FIELDS + ("offsets", "first_input_error"):
             _eq(f"plan_and_verify vp.{f}", dev.to_host(getattr(D["vp"], f)), ref.to_host(getattr(R["vp"], f)))
         assert (dev.to_host(D["vp"].slot_indices) == POISON).all(), "plan_and_verify wrote the entries"
         compare_plans("plan_and_verify", ref, dev, None, None, R["wp"], D["wp"])
@@ -662,6 +663,7 @@ def stamp_step(c, rng, ref: Side, dev: Side, R, D, logs, tag, rpi, pre, ext, tab
     exp_pos = _idx(rng, np.where(rng.random(cut) < 0.05, np.asarray(pos) + 1, -1)) if rng.random() < 0.3 else None
     for f in VerifyPlan.ENTRY_FIELDS:
         getattr(D["vp"], f).fill(POISON)
+    D["vp"].first_input_error.fill(POISON)  # written by every plan: an unwritten word shows
     for st in (R, D):
         side = st["side"]
         d = side.to_dev
@@ -676,7 +678,7 @@ def stamp_step(c, rng, ref: Side, dev: Side, R, D, logs, tag, rpi, pre, ext, tab
         else:
             side.run("plan_verify_write", st["vp"], st["wp"], st["canary"], **plan_in(side), log=st["log"], tag=tag,
                      write_tag=write_tag, check_tokens=check_tokens, **tokens)
-    for f in VerifyPlan.SCALAR_FIELDS + ("offsets",):
+    for f in VerifyPlan.SCALAR_FIELDS + ("offsets", "first_input_error"):
         _eq(f"plan_verify_write vp.{f}", dev.to_host(getattr(D["vp"], f)), ref.to_host(getattr(R["vp"], f)))
     assert (dev.to_host(D["vp"].slot_indices) == POISON).all(), "plan_verify_write wrote the entries"
     compare_plans("plan_verify_write", ref, dev, None, None, R["wp"], D["wp"])
