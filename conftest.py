@@ -10,4 +10,4 @@ collect_ignore_glob = [] if importlib.util.find_spec("cupy") else [
 collect_ignore_glob += ["examples/*", "build/*", "dist/*", ".venv/*"]
 # The torch.library ops import torch at import time: their doctests need it.
 if not importlib.util.find_spec("torch"):
-    collect_ignore_glob += ["kvcanary_cupy/integrations/torch_ops.py"]
+    collect_ignore_glob += ["kvcanary_cupy/integrations/torch_ops"]
