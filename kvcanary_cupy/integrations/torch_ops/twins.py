@@ -21,6 +21,7 @@ import torch
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import scalars
+from kvcanary_cupy.format import INPUT_ERROR_WORDS
 
 from .objects import (
     _MAKE,
@@ -126,6 +127,9 @@ class TorchVerifyPlan:
         offsets: ``[max_batch + 1]``, exclusive prefix sums of entries per batch row.
         num_valid, enable, requested, input_errors, overflows, max_requested: ``[1]``
             device scalars (see :class:`~kvcanary_cupy.VerifyPlan`).
+        first_input_error: ``[6]``, where the latest plan's first dropped row went wrong
+            (see :class:`~kvcanary_cupy.VerifyPlan`); None: one of its own, beside
+            ``offsets``, like the library's.
 
     Example::
 
@@ -145,9 +149,13 @@ class TorchVerifyPlan:
     input_errors: torch.Tensor
     overflows: torch.Tensor
     max_requested: torch.Tensor
+    first_input_error: torch.Tensor | None = None
     LIBRARY_CLASS = kc.VerifyPlan
 
     def __post_init__(self):
+        if self.first_input_error is None and isinstance(self.offsets, torch.Tensor):
+            object.__setattr__(self, "first_input_error", torch.full((INPUT_ERROR_WORDS,), -1, dtype=_I64,
+                                                                     device=self.offsets.device))
         _check_tensors(self, kc.VerifyPlan.FIELDS)
         ts = self.tensors()
         _pin(self, _list_key("verify_plan", ts), lambda: _MAKE["verify_plan"](ts, "TorchVerifyPlan"))
@@ -252,7 +260,7 @@ class TorchViolationLog:
     """A :class:`~kvcanary_cupy.ViolationLog` whose arrays are torch tensors.
 
     Args (all int64, writable, contiguous, on one device, none sharing memory):
-        ring: ``[capacity, 10]`` violation rows.
+        ring: ``[capacity, 18]`` violation rows (``kvcanary_cupy.format.VIOLATION_COLUMNS``).
         head: ``[1]`` append index (keeps counting past the capacity).
         counter_array: ``[6]`` kernel runs, slots checked, slots written, verifies
             skipped, writes skipped, tokens skipped (by name: :meth:`counters`).
@@ -265,7 +273,7 @@ class TorchViolationLog:
 
         >>> log = TorchViolationLog.allocate(capacity=256)
         >>> log.count, log.read(), log.ring.shape
-        (0, [], torch.Size([256, 10]))
+        (0, [], torch.Size([256, 18]))
     """
 
     ring: torch.Tensor
