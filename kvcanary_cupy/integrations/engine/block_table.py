@@ -129,6 +129,7 @@ class BlockTableCanary:
         self.open = False  # whether the monitor has a step open
         self.aborted = 0
         self.deferred_rows = 0
+        self.slots_read = 0  # positions the step's rows read, from the engine's own lengths
 
     # ------------------------------------------------------------------ a step
     def check_reads(self, step: AttentionStep) -> list:
@@ -142,6 +143,8 @@ class BlockTableCanary:
             return []
         ops.put_rows(self.table, step.rows, step.block_table)
         prefix, extend = ops.lengths(step.seq_lens, step.query_start_loc, n)
+        if ops.cpu:
+            self.slots_read += int(prefix.sum())
         ends = step.host_seq_lens if step.host_seq_lens is not None else prefix + extend
         ends = np.asarray(ends, dtype=np.int64) if ops.cpu else list(map(int, ends))
         self.expected.reserve(int(max(ends)), None)
@@ -214,6 +217,7 @@ class BlockTableCanary:
     def stats(self) -> dict:
         out = self.monitor.stats()
         out["deferred_rows"] = self.deferred_rows
+        out["slots_read"] = self.slots_read
         out["aborted_forwards"] = self.aborted
         if self.fingerprints is not None:
             out["slots_gathered"] = getattr(self.fingerprints, "gathered", 0)

@@ -22,6 +22,7 @@ class ScheduledRequest:
         blocks: per KV-cache group, the request's whole block list when it was (re)admitted
             this step; else None.
         new_blocks: per KV-cache group, blocks appended this step (None: none).
+        prompt_len: the prompt's length (sent when the request is (re)admitted, else 0).
     """
 
     request_id: str
@@ -30,6 +31,7 @@ class ScheduledRequest:
     tokens: list
     blocks: tuple | None = None
     new_blocks: tuple | None = None
+    prompt_len: int = 0
 
 
 @dataclasses.dataclass

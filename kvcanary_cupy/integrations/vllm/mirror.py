@@ -22,6 +22,7 @@ class RequestTokens:
         blocks: per KV-cache group, the request's block ids, as allocated.
         computed, scheduled: this step's counts (see :class:`~.meta.ScheduledRequest`).
         admitted: whether this step (re)admitted it (its blocks were all handed over).
+        prompt_len: its prompt's length.
     """
 
     request_id: str
@@ -31,6 +32,7 @@ class RequestTokens:
     computed: int = 0
     scheduled: int = 0
     admitted: bool = False
+    prompt_len: int = 0
 
 
 class RequestMirror:
@@ -75,6 +77,8 @@ class RequestMirror:
                 r = self.live[e.request_id] = RequestTokens(e.request_id,
                                                             blocks=tuple([] for _ in range(self.groups)))
             r.initial_tokens.extend(e.tokens)
+            if e.prompt_len:
+                r.prompt_len = e.prompt_len
             r.computed, r.scheduled = e.computed, e.scheduled
             r.admitted = e.blocks is not None
             if e.blocks is not None:

@@ -69,4 +69,5 @@ class SchedulerSide:
         self.sent[rid] = max(have, have + len(tokens))
         return ScheduledRequest(request_id=rid, computed=computed, scheduled=int(scheduled), tokens=tokens,
                                 blocks=None if blocks is None else tuple(list(b) for b in blocks),
-                                new_blocks=None if new_blocks is None else tuple(list(b) for b in new_blocks))
+                                new_blocks=None if new_blocks is None else tuple(list(b) for b in new_blocks),
+                                prompt_len=int(req.num_prompt_tokens) if blocks is not None else 0)

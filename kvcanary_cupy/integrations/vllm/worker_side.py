@@ -72,7 +72,11 @@ class WorkerSide:
         self.empty_steps = 0
         self.rows_unmatched = 0
         self.cancel_unavailable = 0
+        self.cancel_count = 0  # requests handed to vLLM's failure path
         self.host_seconds = 0.0
+        # What the steps exercised (read from the metadata): requests preempted, admitted with
+        # prefix-cache hits, and prefills split over several steps.
+        self.preempted = self.prefix_hits = self.chunked_prefills = 0
         self._step = None  # (per group AttentionStep) between start_load_kv and wait_for_save
 
     # ------------------------------------------------------------------ setup
@@ -112,6 +116,12 @@ class WorkerSide:
                 self._step = None
             for rid in self.mirror.apply(meta):
                 self._request_left(rid)
+            self.preempted += len(meta.preempted)
+            for s in self.mirror.scheduled:
+                if s.admitted and s.computed:
+                    self.prefix_hits += 1
+                if s.computed + s.scheduled < s.prompt_len:
+                    self.chunked_prefills += 1
             md = getattr(forward_context, "attn_metadata", None) if forward_context is not None else None
             if not md or not self.groups:
                 self.empty_steps += 1
@@ -179,6 +189,7 @@ class WorkerSide:
                  f"of its own to report); its violations are logged")
             return
         self.cancelled[rid] = block
+        self.cancel_count += 1
         self._load_errors.add(block)
 
     def _request_left(self, rid) -> None:
@@ -192,11 +203,13 @@ class WorkerSide:
         """The connector's counters and each group's monitor stats."""
         per = {g.index: {"type": g.kind, "layers": g.layers, **g.canary.stats()} for g in self.groups}
         return {"steps": self.steps, "empty_steps": self.empty_steps, "violations": len(self.found),
-                "cancelled": len(self.cancelled), "cancel_unavailable": self.cancel_unavailable,
-                "rows_unmatched": self.rows_unmatched, "host_seconds": self.host_seconds,
+                "cancelled": self.cancel_count, "cancel_unavailable": self.cancel_unavailable,
+                "rows_unmatched": self.rows_unmatched, "preempted": self.preempted,
+                "prefix_hits": self.prefix_hits, "chunked_prefills": self.chunked_prefills, "host_seconds": self.host_seconds,
                 "host_us_per_step": 1e6 * self.host_seconds / self.steps if self.steps else 0.0,
                 "slots_checked": sum(p["slots_checked"] for p in per.values()),
-                "slots_written": sum(p["slots_written"] for p in per.values()), "groups": per}
+                "slots_written": sum(p["slots_written"] for p in per.values()),
+                "slots_read": sum(p["slots_read"] for p in per.values()), "groups": per}
 
     def close(self) -> None:
         for g in self.groups:
