@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy import format as fmt
 from tests.workloads import host
 
 pytestmark = pytest.mark.gpu
@@ -135,4 +136,4 @@ def test_offsets_out_of_order_take_the_block_path(cp):
     w = _launch(rng, [3000, 5000], num_slots=num_slots, dup_rows=False)
     w["offsets"] = np.array([0, 3000, 1000], np.int64)  # row 1 = [3000, 1000): reversed
     ref = _compare(cp, recs, [w], max_batch=4)
-    assert any(r[-2] == 1 for r in ref[0][1]), "the reversed row is reported"
+    assert any(r[fmt.COL_BATCH_ROW] == 1 for r in ref[0][1]), "the reversed row is reported"
