@@ -101,7 +101,7 @@ class BlockTableCanary:
     """
 
     def __init__(self, *, num_blocks: int, block_size: int, rows: int, width: int, max_batch: int, device: str,
-                 fingerprints=None, name: str = "", options: dict | None = None):
+                 fingerprints=None, name: str = "", options: dict | None = None, max_tokens: int = 8192):
         from ...monitor import KvCanary  # noqa: PLC0415
 
         self.ops = ops_for(device)
@@ -120,6 +120,11 @@ class BlockTableCanary:
         self.monitor = KvCanary(num_slots=self.num_slots, block_table=self.table, page_size=self.block_size,
                                 max_batch=int(max_batch), device=device, policy=_quiet, name=name,
                                 real_kv=() if fingerprints is None else fingerprints.sources, **opts)
+        # The step's rows and tokens go into buffers bound once: a step of a batch size seen
+        # before then reuses the monitor's prepared op calls (no validation, no imports).
+        self.max_tokens = max(1, int(max_tokens))
+        self._rows = {k: self.ops.zeros((int(max_batch),)) for k in ("rows", "prefix", "extend")}
+        self._bind_tokens(self.max_tokens)
         self.upload = None
         if not self.ops.cpu:
             from .staging import ChangeUpload  # noqa: PLC0415
@@ -130,6 +135,13 @@ class BlockTableCanary:
         self.aborted = 0
         self.deferred_rows = 0
         self.slots_read = 0  # positions the step's rows read, from the engine's own lengths
+
+    def _bind_tokens(self, n: int) -> None:
+        self._tokens = {k: self.ops.zeros((n,)) for k in ("ids", "pos", "loc")}
+        self.max_tokens = n
+        self.monitor.bind_inputs(req_pool_indices=self._rows["rows"], prefix_lens=self._rows["prefix"],
+                                 extend_lens=self._rows["extend"], input_ids=self._tokens["ids"],
+                                 positions=self._tokens["pos"], out_cache_loc=self._tokens["loc"])
 
     # ------------------------------------------------------------------ a step
     def check_reads(self, step: AttentionStep) -> list:
@@ -181,27 +193,31 @@ class BlockTableCanary:
         return self.poll()
 
     def _before(self, step: AttentionStep, prefix, extend, idx: np.ndarray) -> None:
-        ops = self.ops
-        rows = ops.from_host(np.asarray(step.rows, dtype=np.int64)[idx])
-        pre, ext = ops.select(prefix, idx), ops.select(extend, idx)
-        self.valid[:idx.size] = pre + ext
+        ops, k, b = self.ops, idx.size, self._rows
+        b["rows"][:k] = ops.from_host(np.asarray(step.rows, dtype=np.int64)[idx])
+        b["prefix"][:k] = ops.select(prefix, idx)
+        b["extend"][:k] = ops.select(extend, idx)
+        self.valid[:k] = b["prefix"][:k] + b["extend"][:k]
         if self.fingerprints is not None and ops.cpu:
-            self.fingerprints.gather_reads(self.table, rows, pre)
-        self.monitor.before_forward(rows, pre, ext, expected=self.expected.tokens(),
+            self.fingerprints.gather_reads(self.table, b["rows"][:k], b["prefix"][:k])
+        self.monitor.before_forward(batch_size=k, expected=self.expected.tokens(),
                                     request_ids=[step.tags[i] for i in idx])
         self.open = True
 
     def _after(self, idx: np.ndarray, others: np.ndarray, extend, ids, pos, slots) -> None:
         """Stamp the tokens of rows ``idx`` (all when ``others`` is empty)."""
         self.open = False
-        if not others.size:
-            self.monitor.after_forward(ids, pos, slots)
-            return
-        ext = extend if self.ops.cpu else extend.cpu().numpy()
-        mine = np.repeat(np.isin(np.arange(len(ext)), idx), np.asarray(ext))
-        keep = np.flatnonzero(mine)
-        sel = self.ops.select
-        self.monitor.after_forward(sel(ids, keep), sel(pos, keep), sel(slots, keep))
+        if others.size:
+            ext = extend if self.ops.cpu else extend.cpu().numpy()
+            keep = np.flatnonzero(np.repeat(np.isin(np.arange(len(ext)), idx), np.asarray(ext)))
+            sel = self.ops.select
+            ids, pos, slots = sel(ids, keep), sel(pos, keep), sel(slots, keep)
+        m = int(ids.shape[0])
+        if m > self.max_tokens:
+            self._bind_tokens(max(m, 2 * self.max_tokens))
+        t = self._tokens
+        t["ids"][:m], t["pos"][:m], t["loc"][:m] = ids, pos, slots
+        self.monitor.after_forward(num_tokens=m)
 
     def abort(self) -> None:
         """Close an open step without stamping (its forward failed)."""

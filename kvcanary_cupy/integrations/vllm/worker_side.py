@@ -100,7 +100,7 @@ class WorkerSide:
             width = -(-int(cfg.model_config.max_model_len) // bs)
             canary = BlockTableCanary(num_blocks=num_blocks, block_size=bs, rows=2 * max_batch + 1, width=width,
                                       max_batch=max_batch, device=device, fingerprints=fp, name=f"group{i}",
-                                      options=mon)
+                                      options=mon, max_tokens=int(cfg.scheduler_config.max_num_batched_tokens))
             self.groups.append(Group(i, type(spec).__name__, tuple(g.layer_names), bs, canary))
         self.rows = RowPool(2 * max_batch + 1)
 

