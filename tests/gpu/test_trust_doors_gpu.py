@@ -54,7 +54,7 @@ def test_a_held_array_reshaped_in_place_is_refused_at_the_next_validated_call(cp
         s.plan(prefix_lens=cp.asarray([4]))
     s.vp.slot_indices.shape = (128,)
     s.verify(tag=7)
-    s.log.ring.shape = (160,)
+    s.log.ring.shape = (16 * VIOLATION_WORDS,)
     with raises(ValueError, "ViolationLog.ring", "changed in place"):
         s.write(input_ids=cp.asarray([5]), positions=cp.asarray([4]), out_cache_loc=cp.asarray([2]))
     assert s.log.counters()["slots_written"] == 4
