@@ -5,9 +5,9 @@
 # any access past its end); PyTorch keeps its caching allocator, which torch.cuda.graph
 # capture needs. The parity fuzz is left out (the memcheck
 # test in tests/gpu/test_sanitizer.py runs fuzz cases under the sanitizer itself).
-# Per-file limit: SANITIZER_FILE_TIMEOUT seconds (default 300). Arguments, if any: the
-# test files to run (default: all). Exit status: files that failed, timed out or reported
-# errors.
+# Per-file limit: SANITIZER_FILE_TIMEOUT seconds (default 300); files run SANITIZER_JOBS at
+# a time (default 4). Arguments, if any: the test files to run (default: all). Exit status:
+# files that failed, timed out or reported errors.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -26,21 +26,35 @@ skip=(--deselect "tests/test_ops_memo.py::test_calls_go_with_their_canary[cupy]"
       # torch.compile's code generation under memcheck takes minutes; the ops it calls are
       # the library's, which the other files check.
       --deselect tests/gpu/test_torch_ops_gpu.py)
-bad=0
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py tests/test_*.py)
-for f in "${files[@]}"; do
-    case "$f" in */test_parity_fuzz.py|*/test_sanitizer.py) continue ;; esac
+# Files run SANITIZER_JOBS at a time (default 4): memcheck is bound by the host's cores, and
+# each file's run is a process of its own. Each file's line is printed in the given order.
+jobs=${SANITIZER_JOBS:-4}
+logs=$(mktemp -d)
+one() {  # one FILE LOG: the file under memcheck; LOG gets its summary line (and its tail on failure)
+    local f=$1 log=$2 out rc summary result
     out=$(timeout "${SANITIZER_FILE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 99 \
         python3 -m pytest -q -p no:cacheprovider -m gpu "${skip[@]}" "$f" 2>&1)
     rc=$?
     summary=$(grep -E "ERROR SUMMARY" <<<"$out" | tail -n 1)
     result=$(grep -E "passed|failed|no tests ran|deselected" <<<"$out" | tail -n 1)
-    echo "$f: rc=$rc | ${result:-?} | ${summary:-no summary}"
+    echo "$f: rc=$rc | ${result:-?} | ${summary:-no summary}" >"$log"
     # rc 5: pytest collected no GPU test in this file.
     if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then
-        bad=$((bad + 1))
-        tail -n 40 <<<"$out"
+        tail -n 40 <<<"$out" >>"$log"
+        echo bad >"$log.bad"
     fi
+}
+i=0
+for f in "${files[@]}"; do
+    case "$f" in */test_parity_fuzz.py|*/test_sanitizer.py) continue ;; esac
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+    one "$f" "$logs/$(printf %03d $i).log" &
+    i=$((i + 1))
 done
-exit $bad
+wait
+cat "$logs"/*.log 2>/dev/null
+bad=$(ls "$logs"/*.bad 2>/dev/null | wc -l)
+rm -rf "$logs"
+exit "$bad"
