@@ -11,3 +11,6 @@ collect_ignore_glob += ["examples/*", "build/*", "dist/*", ".venv/*"]
 # The torch.library ops import torch at import time: their doctests need it.
 if not importlib.util.find_spec("torch"):
     collect_ignore_glob += ["kvcanary_cupy/integrations/torch_ops"]
+# The vLLM connector's modules import vLLM at import time: their doctests need it.
+if not importlib.util.find_spec("vllm"):
+    collect_ignore_glob += ["kvcanary_cupy/integrations/vllm/*"]
