@@ -5,7 +5,8 @@ weights, greedy, at batch 1, 8 and 64: decode tokens/s without and with
 ``kvcanary_cupy.integrations.transformers.watch``, the median of several runs each
 (alternating), the overhead from those medians and as the median of each pair of runs
 (a run without, then one with: a drift of the engine's speed over the runs cancels within
-a pair), and the canary's own cost per step: host time (the
+a pair; 20 pairs by default, with their quartiles, so that a 1 % overhead stands out of
+the run-to-run spread), and the canary's own cost per step: host time (the
 watch's hooks, monitor calls included, timed by the watch itself) and its share of a
 step without the canary. This engine synchronizes the host with the device every
 step, so that host time is added to the step whole: its share is the overhead, free of
@@ -174,6 +175,21 @@ def one_run(model, prompts, gen, config, *, canary: bool, device: str, split: bo
     return decode_rate(out) + (s["host_us_per_step"], adapter_us, dev_us, s["steps"])
 
 
+def pair_spread(pairs: list) -> str:
+    """The first and third quartiles of the pairs' overheads (percent), as a cell: half their
+    distance over the square root of the pairs bounds how far the median moves between sessions.
+
+    Example::
+
+        >>> pair_spread([1.0, 2.0, 3.0, 4.0, 5.0])
+        '+1.50 .. +4.50 %'
+    """
+    if len(pairs) < 2:
+        return "-"
+    q1, _, q3 = statistics.quantiles(pairs, n=4)
+    return f"{q1:+.2f} .. {q3:+.2f} %"
+
+
 def _missing_requirements(device: str) -> str | None:
     """What this machine lacks for a run on ``device`` (None: nothing), said before a model is built."""
     import importlib.util  # noqa: PLC0415
@@ -198,7 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true", help="a tiny model and short runs (a dry run of the harness)")
     ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes (default %(default)s)")
-    ap.add_argument("--runs", type=int, default=None, help="timed runs per figure (default 5; 2 with --small)")
+    ap.add_argument("--runs", type=int, default=None,
+                    help="interleaved pairs of timed runs (one without, one with) per batch (default 20; 2 with --small)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; 16 with --small)")
     ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 256; 16 with --small)")
     ap.add_argument("--cuda-graphs", action="store_true", help="ContinuousBatchingConfig(use_cuda_graph=True)")
@@ -214,7 +231,7 @@ def main(argv=None) -> int:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: PLC0415
 
     small = args.small
-    runs = args.runs or (2 if small else 5)
+    runs = args.runs or (2 if small else 20)
     plen = args.prompt_len or (16 if small else 128)
     new = args.new_tokens or (16 if small else 256)
     batches = [int(b) for b in args.batches.split(",")]
@@ -247,22 +264,22 @@ def main(argv=None) -> int:
         p, w = statistics.median(plain), statistics.median(watched)
         step_ms = 1e3 * batch / p if p else float("nan")
         h = statistics.median(host)
-        rows.append((batch, p, w, 100.0 * (p - w) / p if p else float("nan"), statistics.median(pairs), h,
-                     0.1 * h / step_ms, adapter, dev, step_ms))
+        rows.append((batch, p, w, 100.0 * (p - w) / p if p else float("nan"), statistics.median(pairs),
+                     pair_spread(pairs), h, 0.1 * h / step_ms, adapter, dev, step_ms))
 
     cmd = "python -m bench.transformers_overhead " + " ".join(argv if argv is not None else sys.argv[1:])
     model_name = "tiny model (dry run)" if small else "Llama 2048 x 16 layers, bf16"
     print(f"\nDecode throughput of generate_batch, {model_name}"
-          f", prompt {plen}, {new} new tokens, median of {runs} runs, device {args.device}"
+          f", prompt {plen}, {new} new tokens, {runs} interleaved pairs of runs, device {args.device}"
           f"{', CUDA graphs' if args.cuda_graphs else ''} ({time.strftime('%Y-%m-%d')}; `{cmd.strip()}`)\n")
     print("| batch | tokens/s without | tokens/s with canary | overhead (tokens/s) | overhead, median of pairs | "
-          "canary host us/step | canary host / step | of which adapter us/step | canary span on the stream us/step | "
-          "step ms without |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for b, p, w, ov, pov, h, share, a, d, ms in rows:
+          "pairs' spread (quartiles) | canary host us/step | canary host / step | of which adapter us/step | "
+          "canary span on the stream us/step | step ms without |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b, p, w, ov, pov, spread, h, share, a, d, ms in rows:
         dev = "-" if d != d else f"{d:.0f}"  # no CUDA events on the CPU
-        print(f"| {b} | {p:.1f} | {w:.1f} | {ov:+.2f} % | {pov:+.2f} % | {h:.0f} | {share:.2f} % | {a:.0f} | {dev} "
-              f"| {ms:.2f} |")
+        print(f"| {b} | {p:.1f} | {w:.1f} | {ov:+.2f} % | {pov:+.2f} % | {spread} | {h:.0f} | {share:.2f} % | {a:.0f} "
+              f"| {dev} | {ms:.2f} |")
     return 0
 
 
