@@ -9,6 +9,7 @@
 - ``options``: the checks of an adapter's options and of the KvCanary options it passes on.
 - ``block_table``: :class:`BlockTableCanary`, one KvCanary over a block-table (vLLM-style)
   KV pool driven by what attention reads each step, on NumPy or torch (CPU or CUDA) arrays.
+- ``step_arrays``: the few array operations a step needs, on NumPy (CPU) or torch (CUDA).
 - ``kv_layout``: real-KV fingerprint sources over an engine's KV tensors, for layouts whose
   slots are contiguous and for those that must be gathered first.
 """
