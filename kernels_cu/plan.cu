@@ -1,35 +1,38 @@
 // plan.cu: derive a step's verify entries and write metadata on the device.
 //
-// One kernel, plan_step, in three phases joined by a small launch state (and
-// plan_verify_step, the same with the fill checking each entry against the
-// records instead of writing it: plan_and_verify):
-//   rows  blocks claim batch rows one at a time (an atomic counter): row
-//         validity (every slot the row reads must be readable), entry count,
-//         write length and chain seed; counts go into offsets[r + 1].
-//   scan  the block that finishes the last row turns the counts into
-//         exclusive prefix sums, writes the plan scalars and raises a flag.
-//   fill  every block waits for the flag, then each of its warps fills a
-//         contiguous run of verify entries: slot, prev slot, position,
-//         expected token.
-// No block waits on a block that is not running: a block reaches the wait only
-// after every row has been claimed, and the scanning block is one that holds a
-// row. So the grid may exceed what fits on the device, and another kernel
-// sharing the device cannot deadlock it. One launch instead of two saves a
-// launch's host cost and the gap between kernels.
+// Two kernels run one body, plan_body: plan_step (plan: stores the verify entries and
+// the write plan) and plan_verify_step<kFp, kScan> (plan_and_verify: checks each entry
+// against the records where it is derived instead of storing it). step.cu builds on
+// this file: its kernel is plan_body with a tail that writes the step's tokens.
 //
-// Row r reads positions [max(start - 1, 0), P): its window, the window head's
-// predecessor and (P > 0) the seed at P - 1, so one pass over that range
-// decides validity exactly as the reference does.
-//
-// Small steps (a decode step of a few rows) take another route through the same
-// launch, with no grid-wide wait: see "small steps" below.
+// Routes: a launch takes one, the same in every block (small_rows decides from the
+// rows' inputs alone), and no block ever waits on a block that is not running.
+//   small route  (section "small route") a step of at most SMALL_ROWS rows, a decode
+//                step of a few: with a verify plan and no entry digest, no row reading
+//                more than SMALL_ROW_MAX positions, and the rows' entries within the
+//                plan's capacity and small_max even if every row is valid. Tiles of
+//                entries whose warps check or store them on their own, with no
+//                grid-wide wait (small_tiles); the last block out then finishes the
+//                plan (small_finish, moving plan's entries down with small_compact
+//                when a row was unreadable).
+//   block route  (section "block route") every other step: the rows, scan and fill
+//                phases joined by the launch state, the fill waiting for the scan.
+//                Their code is in the section; plan_body runs them in order.
+// Shared by both routes, before them: the arguments and the launch state (SYNC_*),
+// the table lookups and row checks, the plans' tails, the first input error, and the
+// check of one entry (verify.cu's check, as plan_and_verify runs it). After them:
+// plan_body (a route, then in the last block out its finish, the first input error
+// and the tail) and the kernels.
 #include "kvcanary_common.cuh"
 
 namespace kvc {
 
-// Rows phase: 32-bit table lookups per thread in flight (a block per row leaves few
-// warps per SM, so latency, not bandwidth, bounds it); half as many 64-bit ones.
+// Block route, rows phase: 32-bit table lookups per thread in flight (a block per
+// row leaves few warps per SM, so latency, not bandwidth, bounds it); half as many
+// 64-bit ones.
 inline constexpr int ROW_UNROLL = 8;
+
+// --- shared by both routes: arguments, launch state, table lookups, row checks -------
 
 // Bits of `widths`: which index inputs are int64 (else int32).
 inline constexpr int W_RPI = 0, W_PRE = 1, W_EXT = 2, W_TABLE = 3, W_LUT = 4, W_ETAB = 5, W_EVL = 6;
@@ -133,58 +136,11 @@ __device__ __forceinline__ i64 slot_at(const PlanArgs& a, i64 rp, i64 pos) {
     return slot_of_value(a, table_at(a, rp, pos), pos);
 }
 
+// Row r reads positions [max(start - 1, 0), P): its window, the window head's
+// predecessor and (P > 0) the seed at P - 1, so one pass over that range
+// decides validity exactly as the reference does.
 __device__ __forceinline__ i64 window_start(const PlanArgs& a, i64 P) {
     return (a.swa_size > 0 && P > a.swa_size) ? P - a.swa_size : 0;
-}
-
-// In place: a[1..n] holds counts; afterwards a[0] = 0 and a[1..n] the inclusive
-// sums. Returns the total (every thread). One block.
-__device__ i64 scan_counts(i64* a, i64 n, i64* sh) {
-    unsigned t = threadIdx.x, nt = blockDim.x, lane = lane_id(), w = t >> 5;
-    i64 per = (n + nt - 1) / nt;
-    i64 b = (i64)t * per, e = b + per < n ? b + per : n;
-    i64 s = 0;
-    for (i64 i = b; i < e; ++i) s += __ldcg(a + 1 + i);
-    i64 incl = s;  // inclusive warp scan
-    for (int d = 1; d < 32; d <<= 1) {
-        i64 v = __shfl_up_sync(FULL_MASK, incl, d);
-        if ((int)lane >= d) incl += v;
-    }
-    __syncthreads();
-    if (lane == 31) sh[w] = incl;
-    __syncthreads();
-    if (t == 0) {
-        i64 run = 0;
-        for (unsigned i = 0; i < (nt + 31) >> 5; ++i) {
-            i64 x = sh[i];
-            sh[i] = run;
-            run += x;
-        }
-        sh[32] = run;
-    }
-    __syncthreads();
-    i64 run = sh[w] + incl - s;
-    for (i64 i = b; i < e; ++i) {
-        run += __ldcg(a + 1 + i);
-        a[1 + i] = run;
-    }
-    i64 total = sh[32];
-    if (t == 0) a[0] = 0;
-    __syncthreads();
-    return total;
-}
-
-// The plans' entries past the batch's rows: offsets [bs + 1, max_batch] hold the totals,
-// seeds [bs, max_batch) -1. No kernel of this launch reads them, so they are stored off
-// the critical path: grid-stride over `blocks` blocks from `block`.
-__device__ __forceinline__ void plan_tails(const PlanArgs& a, i64 vtotal, i64 wtotal, i64 block, i64 blocks) {
-    const i64 stride = blocks * blockDim.x, first = block * blockDim.x + threadIdx.x;
-    if (a.vp_offsets != nullptr)
-        for (i64 i = a.bs + 1 + first; i <= a.vp_max_batch; i += stride) a.vp_offsets[i] = vtotal;
-    if (a.wp_offsets != nullptr) {
-        for (i64 i = a.bs + 1 + first; i <= a.wp_max_batch; i += stride) a.wp_offsets[i] = wtotal;
-        for (i64 i = a.bs + first; i < a.wp_max_batch; i += stride) a.wp_seeds[i] = -1;
-    }
 }
 
 // The table's width in positions, saturated: twidth * page may not fit int64.
@@ -207,131 +163,16 @@ __device__ __forceinline__ bool row_inputs_ok(const PlanArgs& a, i64 rp, i64 P, 
     return ok;
 }
 
-// slot_of_value for a token-level table (page 1) without branches: the LUT load is
-// predicated, so a loop of these keeps every load in flight at once.
-__device__ __forceinline__ i64 token_slot(const PlanArgs& a, i64 v) {
-    if (a.lut_len < 0) return v < 0 ? -1 : v;
-    const bool in = v >= 0 && v < a.lut_len;
-    const i64 s = in ? load_index(a.lut, width_bit(a.widths, W_LUT), v) : -1;
-    return s < 0 ? -1 : s;
-}
-
-// row_readable for one table width and kind. The loads of a round are issued before any
-// is used, and nothing between them branches (NVCC would otherwise convert each int32
-// value, or divide by the page, right after its load and wait for it there: a round
-// trip per load instead of per round).
-template <typename T, bool kToken>
-__device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row, i64 lo, i64 P, i64* last) {
-    constexpr int U = ROW_UNROLL * 4 / (int)sizeof(T);
-    bool bad = false, has_last = false;
-    i64 last_slot = -1;
-    const i64 step = (i64)blockDim.x * U;
-    for (i64 p0 = lo + threadIdx.x; p0 < P; p0 += step) {
-        T v[U];
-#pragma unroll
-        for (int j = 0; j < U; ++j) {
-            const i64 pos = p0 + (i64)j * blockDim.x;
-            v[j] = pos < P ? row[kToken ? pos : pos / a.page] : (T)0;
-        }
-#pragma unroll
-        for (int j = 0; j < U; ++j) {
-            const i64 pos = p0 + (i64)j * blockDim.x;
-            if (pos < P) {
-                const i64 s = kToken ? token_slot(a, (i64)v[j]) : slot_of_value(a, (i64)v[j], pos);
-                bad |= s < 0;
-                if (pos == P - 1) {
-                    has_last = true;
-                    last_slot = s;
-                }
-            }
-        }
-    }
-    if (has_last) *last = last_slot;
-    return !__syncthreads_or(bad);
-}
-
-// Whether every position in [lo, P) of request-table row rp has a readable slot, in
-// every thread; the thread that checks position P - 1 stores its slot (or -1) in *last.
-// Every thread of the block must call it.
-__device__ __forceinline__ bool row_readable(const PlanArgs& a, i64 rp, i64 lo, i64 P, i64* last) {
-    const i64 base = rp * a.twidth;
-    if (width_bit(a.widths, W_TABLE)) {
-        const i64* row = (const i64*)a.table + base;
-        return a.page == 1 ? row_readable_in<i64, true>(a, row, lo, P, last)
-                           : row_readable_in<i64, false>(a, row, lo, P, last);
-    }
-    const int* row = (const int*)a.table + base;
-    return a.page == 1 ? row_readable_in<int, true>(a, row, lo, P, last)
-                       : row_readable_in<int, false>(a, row, lo, P, last);
-}
-
-// Row r (thread 0 gets the results): validity, and the counts and seed it stores.
-__device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors, i64* seed) {
-    i64 rp = load_index(a.rpi, width_bit(a.widths, W_RPI), r);
-    i64 P = load_index(a.pre, width_bit(a.widths, W_PRE), r);
-    i64 E = load_index(a.ext, width_bit(a.widths, W_EXT), r);
-    bool active = rp != PADDING_REQ;
-    bool ok = row_inputs_ok(a, rp, P, E);
-    i64 start = ok ? window_start(a, P) : 0;
-    bool readable = true;
-    if (ok) {
-        const i64 lo = start > 0 ? start - 1 : 0;
-        readable = row_readable(a, rp, lo, P, seed);
-    }
-    if (threadIdx.x == 0) {
-        bool valid = ok && readable;
-        if (active && !valid) {  // rare: the last block out describes the first such row
-            ++errors;
-            atomicMax(a.sync + SYNC_FIRST_ERROR, a.bs - r);
-        }
-        if (a.vp_offsets != nullptr) a.vp_offsets[r + 1] = valid ? P - start : 0;
-        if (a.wp_offsets != nullptr) {
-            const bool known = span_known(a, E);
-            a.wp_offsets[r + 1] = known ? E : 0;
-            a.wp_seeds[r] = !valid ? SEED_SKIP : P > 0 && E > 0 ? *seed : -1;
-            // Rare: the scan (plan_skip_after_unknown) skips the rows after the first such row.
-            if (!known) atomicMax(a.sync + SYNC_UNKNOWN_SPAN, a.bs - r);
-        }
-    }
-}
-
-// After the scan, in the scanning block: the rows after the first whose span is unknown
-// stamp nothing; those that would have are counted as the write plan's input errors.
-__device__ void plan_skip_after_unknown(const PlanArgs& a, i64* sh) {
-    const i64 u = __ldcg(a.sync + SYNC_UNKNOWN_SPAN);
-    if (u <= 0) return;  // uniform over the block
-    i64 skipped = 0;
-    for (i64 r = a.bs - u + 1 + threadIdx.x; r < a.bs; r += blockDim.x) {
-        if (__ldcg(a.wp_seeds + r) != SEED_SKIP) {
-            a.wp_seeds[r] = SEED_SKIP;
-            ++skipped;
-        }
-    }
-    skipped = block_sum(skipped, sh);
-    if (threadIdx.x == 0 && skipped != 0 && a.wp_input_errors != nullptr)
-        atomicAdd((u64*)a.wp_input_errors, (u64)skipped);
-}
-
-// The counts of every row are in: prefix sums and plan scalars. One block; the totals
-// go to vtotal / wtotal (for plan_tails, after the scan is published).
-__device__ void plan_scan(const PlanArgs& a, i64* sh, i64& vtotal, i64& wtotal) {
-    vtotal = wtotal = 0;
-    if (a.vp_offsets != nullptr) {
-        i64 total = vtotal = scan_counts(a.vp_offsets, a.bs, sh);
-        if (threadIdx.x == 0) {
-            *a.vp_requested = total;
-            *a.vp_num_valid = total < a.vp_capacity ? total : a.vp_capacity;
-            *a.vp_enable = total <= a.vp_capacity ? 1 : 0;
-            // Atomics whose result is not used: the scan publishes its flag without waiting
-            // for a read of either (the other blocks wait on that flag).
-            if (total > a.vp_capacity) atomicAdd((u64*)a.vp_overflows, 1ULL);
-            atomicMax(a.vp_max_requested, total);
-        }
-    }
+// The plans' entries past the batch's rows: offsets [bs + 1, max_batch] hold the totals,
+// seeds [bs, max_batch) -1. No kernel of this launch reads them, so they are stored off
+// the critical path: grid-stride over `blocks` blocks from `block`.
+__device__ __forceinline__ void plan_tails(const PlanArgs& a, i64 vtotal, i64 wtotal, i64 block, i64 blocks) {
+    const i64 stride = blocks * blockDim.x, first = block * blockDim.x + threadIdx.x;
+    if (a.vp_offsets != nullptr)
+        for (i64 i = a.bs + 1 + first; i <= a.vp_max_batch; i += stride) a.vp_offsets[i] = vtotal;
     if (a.wp_offsets != nullptr) {
-        wtotal = scan_counts(a.wp_offsets, a.bs, sh);
-        if (threadIdx.x == 0) *a.wp_num_rows = a.bs;
-        plan_skip_after_unknown(a, sh);
+        for (i64 i = a.bs + 1 + first; i <= a.wp_max_batch; i += stride) a.wp_offsets[i] = wtotal;
+        for (i64 i = a.bs + first; i < a.wp_max_batch; i += stride) a.wp_seeds[i] = -1;
     }
 }
 
@@ -368,7 +209,7 @@ __device__ void describe_input_error(const PlanArgs& a, i64 r) {
     }
 }
 
-// --- plan_and_verify: the entries checked where they are derived ----------------
+// --- shared by both routes: plan_and_verify's check of one entry ---------------------
 // What plan_verify_step adds to a plan: the canary, the log, the real-KV folds and
 // the fingerprint sampler (as in verify.cu's VerifyArgs).
 struct CheckArgs {
@@ -386,18 +227,6 @@ struct CheckArgs {
     i64 period;
     i64* digest;  // [1] receives the digest of the entries, or null (see ENTRY_DIGEST_SALT)
 };
-
-// The digest of a plan's verify entries, as digest.cu's digest_rows computes it over the
-// four entry arrays a plan writes (slot, prev slot, position, token) with these salts,
-// the plan's num_valid as their count and its enable as their gate: tensor-parallel
-// ranks compare it without the entries ever being written. The twins of
-// format.ENTRY_DIGEST_SALTS.
-inline constexpr i64 ENTRY_DIGEST_SALT = 1;  // the slot's; prev, position, token: + 1, + 2, + 3
-
-__device__ __forceinline__ u64 entry_digest_term(i64 e, i64 slot, i64 prev, i64 pos, i64 tok) {
-    return mix3(ENTRY_DIGEST_SALT, e, slot) + mix3(ENTRY_DIGEST_SALT + 1, e, prev) +
-           mix3(ENTRY_DIGEST_SALT + 2, e, pos) + mix3(ENTRY_DIGEST_SALT + 3, e, tok);
-}
 
 struct PlanVerifyArgs {
     PlanArgs p;
@@ -488,11 +317,203 @@ __device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 ro
                      row, epos, entry_detail(prev, prev_position_of(c.records, c.num_slots, has, prev), x.fp, x.efp));
 }
 
-// The verify entries, each warp a contiguous run of them, 32 at a time. Offsets
-// and plan scalars are read through L2 (__ldcg): another block of this launch
-// wrote them. A warp's entries span few rows, so the warp keeps its current row
-// and that row's bounds in registers and searches the offsets only when a lane
-// lies past the row's end.
+// --- block route: rows, scan, fill ---------------------------------------------------
+// Every step the small route does not take, in three phases joined by the launch
+// state:
+//   rows  blocks claim batch rows one at a time (an atomic counter): row
+//         validity (every slot the row reads must be readable), entry count,
+//         write length and chain seed; counts go into offsets[r + 1].
+//   scan  the block that finishes the last row turns the counts into
+//         exclusive prefix sums, writes the plan scalars and raises a flag.
+//   fill  every block waits for the flag, then each of its warps fills a
+//         contiguous run of verify entries: slot, prev slot, position,
+//         expected token (plan_and_verify: checks each instead).
+// No block waits on a block that is not running: a block reaches the wait only
+// after every row has been claimed, and the scanning block is one that holds a
+// row. So the grid may exceed what fits on the device, and another kernel
+// sharing the device cannot deadlock it. One launch instead of two saves a
+// launch's host cost and the gap between kernels.
+
+// Rows phase (ROW_UNROLL above).
+// slot_of_value for a token-level table (page 1) without branches: the LUT load is
+// predicated, so a loop of these keeps every load in flight at once.
+__device__ __forceinline__ i64 token_slot(const PlanArgs& a, i64 v) {
+    if (a.lut_len < 0) return v < 0 ? -1 : v;
+    const bool in = v >= 0 && v < a.lut_len;
+    const i64 s = in ? load_index(a.lut, width_bit(a.widths, W_LUT), v) : -1;
+    return s < 0 ? -1 : s;
+}
+
+// row_readable for one table width and kind. The loads of a round are issued before any
+// is used, and nothing between them branches (NVCC would otherwise convert each int32
+// value, or divide by the page, right after its load and wait for it there: a round
+// trip per load instead of per round).
+template <typename T, bool kToken>
+__device__ __forceinline__ bool row_readable_in(const PlanArgs& a, const T* row, i64 lo, i64 P, i64* last) {
+    constexpr int U = ROW_UNROLL * 4 / (int)sizeof(T);
+    bool bad = false, has_last = false;
+    i64 last_slot = -1;
+    const i64 step = (i64)blockDim.x * U;
+    for (i64 p0 = lo + threadIdx.x; p0 < P; p0 += step) {
+        T v[U];
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const i64 pos = p0 + (i64)j * blockDim.x;
+            v[j] = pos < P ? row[kToken ? pos : pos / a.page] : (T)0;
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const i64 pos = p0 + (i64)j * blockDim.x;
+            if (pos < P) {
+                const i64 s = kToken ? token_slot(a, (i64)v[j]) : slot_of_value(a, (i64)v[j], pos);
+                bad |= s < 0;
+                if (pos == P - 1) {
+                    has_last = true;
+                    last_slot = s;
+                }
+            }
+        }
+    }
+    if (has_last) *last = last_slot;
+    return !__syncthreads_or(bad);
+}
+
+// Whether every position in [lo, P) of request-table row rp has a readable slot, in
+// every thread; the thread that checks position P - 1 stores its slot (or -1) in *last.
+// Every thread of the block must call it.
+__device__ __forceinline__ bool row_readable(const PlanArgs& a, i64 rp, i64 lo, i64 P, i64* last) {
+    const i64 base = rp * a.twidth;
+    if (width_bit(a.widths, W_TABLE)) {
+        const i64* row = (const i64*)a.table + base;
+        return a.page == 1 ? row_readable_in<i64, true>(a, row, lo, P, last)
+                           : row_readable_in<i64, false>(a, row, lo, P, last);
+    }
+    const int* row = (const int*)a.table + base;
+    return a.page == 1 ? row_readable_in<int, true>(a, row, lo, P, last)
+                       : row_readable_in<int, false>(a, row, lo, P, last);
+}
+
+// Row r (thread 0 gets the results): validity, and the counts and seed it stores.
+__device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors, i64* seed) {
+    i64 rp = load_index(a.rpi, width_bit(a.widths, W_RPI), r);
+    i64 P = load_index(a.pre, width_bit(a.widths, W_PRE), r);
+    i64 E = load_index(a.ext, width_bit(a.widths, W_EXT), r);
+    bool active = rp != PADDING_REQ;
+    bool ok = row_inputs_ok(a, rp, P, E);
+    i64 start = ok ? window_start(a, P) : 0;
+    bool readable = true;
+    if (ok) {
+        const i64 lo = start > 0 ? start - 1 : 0;
+        readable = row_readable(a, rp, lo, P, seed);
+    }
+    if (threadIdx.x == 0) {
+        bool valid = ok && readable;
+        if (active && !valid) {  // rare: the last block out describes the first such row
+            ++errors;
+            atomicMax(a.sync + SYNC_FIRST_ERROR, a.bs - r);
+        }
+        if (a.vp_offsets != nullptr) a.vp_offsets[r + 1] = valid ? P - start : 0;
+        if (a.wp_offsets != nullptr) {
+            const bool known = span_known(a, E);
+            a.wp_offsets[r + 1] = known ? E : 0;
+            a.wp_seeds[r] = !valid ? SEED_SKIP : P > 0 && E > 0 ? *seed : -1;
+            // Rare: the scan (plan_skip_after_unknown) skips the rows after the first such row.
+            if (!known) atomicMax(a.sync + SYNC_UNKNOWN_SPAN, a.bs - r);
+        }
+    }
+}
+
+// Scan phase.
+// In place: a[1..n] holds counts; afterwards a[0] = 0 and a[1..n] the inclusive
+// sums. Returns the total (every thread). One block.
+__device__ i64 scan_counts(i64* a, i64 n, i64* sh) {
+    unsigned t = threadIdx.x, nt = blockDim.x, lane = lane_id(), w = t >> 5;
+    i64 per = (n + nt - 1) / nt;
+    i64 b = (i64)t * per, e = b + per < n ? b + per : n;
+    i64 s = 0;
+    for (i64 i = b; i < e; ++i) s += __ldcg(a + 1 + i);
+    i64 incl = s;  // inclusive warp scan
+    for (int d = 1; d < 32; d <<= 1) {
+        i64 v = __shfl_up_sync(FULL_MASK, incl, d);
+        if ((int)lane >= d) incl += v;
+    }
+    __syncthreads();
+    if (lane == 31) sh[w] = incl;
+    __syncthreads();
+    if (t == 0) {
+        i64 run = 0;
+        for (unsigned i = 0; i < (nt + 31) >> 5; ++i) {
+            i64 x = sh[i];
+            sh[i] = run;
+            run += x;
+        }
+        sh[32] = run;
+    }
+    __syncthreads();
+    i64 run = sh[w] + incl - s;
+    for (i64 i = b; i < e; ++i) {
+        run += __ldcg(a + 1 + i);
+        a[1 + i] = run;
+    }
+    i64 total = sh[32];
+    if (t == 0) a[0] = 0;
+    __syncthreads();
+    return total;
+}
+
+// After the scan, in the scanning block: the rows after the first whose span is unknown
+// stamp nothing; those that would have are counted as the write plan's input errors.
+__device__ void plan_skip_after_unknown(const PlanArgs& a, i64* sh) {
+    const i64 u = __ldcg(a.sync + SYNC_UNKNOWN_SPAN);
+    if (u <= 0) return;  // uniform over the block
+    i64 skipped = 0;
+    for (i64 r = a.bs - u + 1 + threadIdx.x; r < a.bs; r += blockDim.x) {
+        if (__ldcg(a.wp_seeds + r) != SEED_SKIP) {
+            a.wp_seeds[r] = SEED_SKIP;
+            ++skipped;
+        }
+    }
+    skipped = block_sum(skipped, sh);
+    if (threadIdx.x == 0 && skipped != 0 && a.wp_input_errors != nullptr)
+        atomicAdd((u64*)a.wp_input_errors, (u64)skipped);
+}
+
+// The counts of every row are in: prefix sums and plan scalars. One block; the totals
+// go to vtotal / wtotal (for plan_tails, after the scan is published).
+__device__ void plan_scan(const PlanArgs& a, i64* sh, i64& vtotal, i64& wtotal) {
+    vtotal = wtotal = 0;
+    if (a.vp_offsets != nullptr) {
+        i64 total = vtotal = scan_counts(a.vp_offsets, a.bs, sh);
+        if (threadIdx.x == 0) {
+            *a.vp_requested = total;
+            *a.vp_num_valid = total < a.vp_capacity ? total : a.vp_capacity;
+            *a.vp_enable = total <= a.vp_capacity ? 1 : 0;
+            // Atomics whose result is not used: the scan publishes its flag without waiting
+            // for a read of either (the other blocks wait on that flag).
+            if (total > a.vp_capacity) atomicAdd((u64*)a.vp_overflows, 1ULL);
+            atomicMax(a.vp_max_requested, total);
+        }
+    }
+    if (a.wp_offsets != nullptr) {
+        wtotal = scan_counts(a.wp_offsets, a.bs, sh);
+        if (threadIdx.x == 0) *a.wp_num_rows = a.bs;
+        plan_skip_after_unknown(a, sh);
+    }
+}
+
+// Fill phase.
+// The digest of a plan's verify entries, as digest.cu's digest_rows computes it over the
+// four entry arrays a plan writes (slot, prev slot, position, token) with these salts,
+// the plan's num_valid as their count and its enable as their gate: tensor-parallel
+// ranks compare it without the entries ever being written. The twins of
+// format.ENTRY_DIGEST_SALTS.
+inline constexpr i64 ENTRY_DIGEST_SALT = 1;  // the slot's; prev, position, token: + 1, + 2, + 3
+
+__device__ __forceinline__ u64 entry_digest_term(i64 e, i64 slot, i64 prev, i64 pos, i64 tok) {
+    return mix3(ENTRY_DIGEST_SALT, e, slot) + mix3(ENTRY_DIGEST_SALT + 1, e, prev) +
+           mix3(ENTRY_DIGEST_SALT + 2, e, pos) + mix3(ENTRY_DIGEST_SALT + 3, e, tok);
+}
+
 // What the fill needs of the row a warp is in: its first and end entry, its
 // request-pool index and the position of its first entry.
 struct FillRow {
@@ -504,6 +525,11 @@ __device__ __forceinline__ FillRow fill_row(const PlanArgs& a, const i64* off, i
                    window_start(a, load_index(a.pre, w_pre, row))};
 }
 
+// The verify entries, each warp a contiguous run of them, 32 at a time. Offsets
+// and plan scalars are read through L2 (__ldcg): another block of this launch
+// wrote them. A warp's entries span few rows, so the warp keeps its current row
+// and that row's bounds in registers and searches the offsets only when a lane
+// lies past the row's end.
 template <bool kVerify, bool kFp, bool kScan>
 __device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64& checked, u64* warp_digest) {
     if (__ldcg(a.vp_enable) != 1) return;
@@ -569,7 +595,7 @@ __device__ void plan_fill(const PlanArgs& a, const CheckArgs* c, i64 phase, i64&
     }
 }
 
-// --- small steps: warps that wait for no one ----------------------------------
+// --- small route (small steps): warps that wait for no one ---------------------------
 // The phases above are a chain of about twenty dependent global round trips (claim a
 // row, its table, the row-done atomic, the scan, the flag, the fill), and a decode
 // step of a few rows pays all of it. When the batch fits a block (bs <= SMALL_ROWS),
@@ -878,6 +904,7 @@ __device__ __forceinline__ i64 small_finish(const PlanArgs& a, const CheckArgs* 
     return first_error;
 }
 
+// --- one launch: a route, then the last block out ------------------------------------
 // What the last block out runs after the plan (step.cu's write); by default nothing. A tail
 // may load what it needs at the start of the launch (prefetch, every block) and keep it
 // (stash, after the rows' inputs are read), and may ask for the rows' seed states (kSeeds).
@@ -889,7 +916,7 @@ struct NoTail {
     __device__ __forceinline__ void last_block(const PlanArgs&, const CheckArgs*) const {}
 };
 
-// The whole plan in one launch (see the top of the file for the phases); with
+// The whole plan in one launch (see the routes at the top of the file); with
 // kVerify, the fill checks each entry instead of writing it (plan_and_verify). The
 // last block out then runs `tail` (every thread of it): every other block's reads
 // are over by then.

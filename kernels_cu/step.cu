@@ -19,6 +19,10 @@
 //      reference, where later rows and later tokens overwrite earlier ones.
 // Without real-KV folds a record holds no K/V bytes (its fingerprint is 0), so it can be
 // stamped before the forward writes the K/V: one launch for a whole decode step.
+//
+// Routes: the plan and its checks take plan.cu's routes (on the small route the tiles
+// publish the rows' seed states for the tail: kSeeds); the tail (StepWrite, below) has
+// one route, the steps above. write.cu gives it the write's arguments and input bits.
 #include "plan.cu"
 #include "write.cu"
 

@@ -1,37 +1,29 @@
 // write.cu: stamp records for the tokens a step writes.
 //
-// write_tokens<kFp, kScan>, two phases, no grid-wide barrier between them
-// (they write different record fields):
-//   A. chain, kScan (the scan chain, format v2): each stored token is the affine
-//      map x -> SCAN_MUL x + scan_term(token, position) mod P61 (a skipped token
-//      the identity), so a row's links are a prefix scan of maps: per 32 tokens
-//      a warp scan over shuffles, chunk after chunk a carried map. Rows of at
-//      most WARP_ROW_MAX tokens (decode, speculative steps) take a warp each;
-//      longer rows (prefill) go by block steps, whose warps scan 32 x SCAN_ITEMS
-//      tokens apiece and combine their maps through shared memory. A launch of
-//      at most TILE_ROWS rows in order spreads its long rows' block steps
-//      (tiles) over the grid, each tile learning the state before it by a
-//      look-back (see write_tiles); any other launch gives a long row one block,
-//      step after step. Within a row the last write of a slot wins, as in the
-//      reference: a warp settles its own duplicates with match_any, a block
-//      step its warps' through a shared-memory table of the highest token index
-//      per slot, and tiles theirs through a launch-wide one.
-//   A. chain, sglang (v1): one warp per write row (grid-stride). The chain is serial by
-//      definition; the warp loads 32 tokens at a time, coalesced, and every
-//      lane runs the same chain over them in lockstep (values broadcast by
-//      shuffles), keeping the link of its own token. Then all lanes check and
-//      store in parallel. Within a batch of 32 a slot written twice is stored
-//      only by its last token (match_any), and __syncwarp orders batches, so
-//      the last write of a slot in a row wins, as in the reference.
-//   B. fingerprints (kFp): grid-stride over all input tokens, g lanes per
-//      token; each token finds its row by binary search over the write offsets
-//      (non-decreasing as plan() writes them) and stores field 3 of its
-//      record. A long prefill row is thus fingerprinted by the whole grid, not
-//      by its warp.
-// Without sources (kFp = false) phase A stores the fingerprint 0 itself.
-// Counters: each warp sums the slots it wrote and the tokens of its rows that
-// a negative slot skips, and adds each with one atomic at the end; block 0 adds
-// the run, and one to writes_skipped when the plan was never planned.
+// One kernel, write_tokens<kFp, kScan>, in two phases with no grid-wide barrier
+// between them (they write different record fields):
+//   A. the chain: each stored token's id, position and link, by one of the routes
+//      below, row by row (every row's span and seed checked first: row_ok);
+//   B. the fingerprints (kFp, with real-KV sources): field 3 of every stored
+//      token's record, grid-stride over all input tokens (in write_tokens).
+// Without sources (kFp = false) phase A stores the fingerprint 0 itself. A launch may
+// also carry a digest, computed by one extra block, the grid's last (WriteStepArgs).
+//
+// Routes of phase A, by chain kind (kScan) and row length:
+//   sglang chain (kScan false, format v1), section "sglang chain": a warp per row,
+//       every lane running the serial chain in lockstep (chain_row).
+//   scan chain (kScan true, format v2), section "scan chain": a row's links are a
+//   prefix scan of affine maps (the pieces every scan route shares come first):
+//     rows of at most WARP_ROW_MAX tokens (decode, speculative steps): a warp each
+//       (scan_row_warp);
+//     longer rows (prefill), when the launch has at most TILE_ROWS rows in order
+//       and its tile state has room: cut into tiles, one block step each, spread over
+//       the grid, each learning the chain's state before it by a look-back (section
+//       "tiles": plan_tiles decides, write_tiles, finish_tiles);
+//     longer rows of any other launch: a block each, block step after block step
+//       (scan_row_block, section "block steps", whose steps the tiles use too).
+// write_tokens, at the end, gives each row its route, then runs phase B and adds the
+// counters.
 #include "kvcanary_common.cuh"
 
 namespace kvc {
@@ -67,6 +59,28 @@ struct WriteArgs {
     i64 table_cap;  // words of each of its hash tables (a power of two >= 64)
 };
 
+// A row's span and seed, checked: false (and a violation row from the caller's
+// lane 0 when `report`) for a reversed or out-of-range span or a seed outside
+// the canary; false and nothing reported for a row the plan skipped (it counted it).
+__device__ __forceinline__ bool row_ok(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool report) {
+    if (seed == SEED_SKIP) return false;  // uniform over the caller's warp: one row
+    const bool span_bad = o0 < 0 || o1 > a.avail || o1 < o0;  // a reversed span: a forged plan
+    const bool seed_bad = !span_bad && (seed < -1 || seed >= a.num_slots);
+    if (report)
+        append_violation(a.ring, a.head, a.ring_capacity, lane_id() == 0 && (span_bad || seed_bad), a.tag,
+                         span_bad ? -1 : seed, -1, -1, -1, 0, 0,
+                         span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1,
+                         write_detail(-1, -1, o0, o1, a.avail));
+    return !span_bad && !seed_bad && o1 > o0;
+}
+
+// --- sglang chain (kScan false, format v1): a warp per row, serial -------------------
+// One warp per write row (grid-stride). The chain is serial by definition; the warp
+// loads 32 tokens at a time, coalesced, and every lane runs the same chain over them
+// in lockstep (values broadcast by shuffles), keeping the link of its own token. Then
+// all lanes check and store in parallel. Within a batch of 32 a slot written twice is
+// stored only by its last token (match_any), and __syncwarp orders batches, so the
+// last write of a slot in a row wins, as in the reference.
 template <bool kFp>
 __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool check_pos,
                                           i64& written, i64& skipped) {
@@ -142,7 +156,19 @@ __device__ __forceinline__ void chain_row(const WriteArgs& a, i64 r, i64 o0, i64
     }
 }
 
-// --- the scan chain ----------------------------------------------------------------
+// --- scan chain (kScan true, format v2) ----------------------------------------------
+// Each stored token is the affine map x -> SCAN_MUL x + scan_term(token, position)
+// mod P61 (a skipped token the identity), so a row's links are a prefix scan of maps:
+// per 32 tokens a warp scan over shuffles, chunk after chunk a carried map. Rows of at
+// most WARP_ROW_MAX tokens (decode, speculative steps) take a warp each; longer rows
+// (prefill) go by block steps, whose warps scan 32 x SCAN_ITEMS tokens apiece and
+// combine their maps through shared memory. A launch of at most TILE_ROWS rows in
+// order spreads its long rows' block steps (tiles) over the grid, each tile learning
+// the state before it by a look-back (see write_tiles); any other launch gives a long
+// row one block, step after step. Within a row the last write of a slot wins, as in
+// the reference: a warp settles its own duplicates with match_any, a block step its
+// warps' through a shared-memory table of the highest token index per slot, and
+// tiles theirs through a launch-wide one.
 // Rows longer than KVC_WARP_ROW_MAX tokens take a block; a block step covers
 // KVC_SCAN_ITEMS chunks of 32 tokens per warp.
 #ifndef KVC_WARP_ROW_MAX
@@ -326,6 +352,7 @@ __device__ __forceinline__ void seed_state(const WriteArgs& a, i64 seed, u64& x,
     }
 }
 
+// --- scan chain, rows of at most WARP_ROW_MAX tokens: a warp each --------------------
 // A row of at most WARP_ROW_MAX tokens, by one warp, 32 tokens at a time.
 template <bool kFp>
 __device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool check_pos,
@@ -354,6 +381,7 @@ __device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0,
     }
 }
 
+// --- scan chain, block steps: a longer row by one block (tiles: by the grid) ---------
 // Shared memory of the block path: the warps' maps of a block step, and the
 // last-write table (slot -> highest token index of the step that writes it).
 struct ScanShared {
@@ -505,7 +533,7 @@ __device__ void scan_row_block(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 se
     }
 }
 
-// --- long rows split into tiles ------------------------------------------------------
+// --- tiles: a launch's long rows split over the grid ---------------------------------
 // When a launch's offsets are in order (rows back to back, as plan writes them) and
 // it has at most TILE_ROWS rows, its long rows are cut into tiles of one block step
 // each, spread over the grid, so a 16K-token row is not one block's serial work:
@@ -753,21 +781,16 @@ __device__ void finish_tiles(const WriteArgs& a, const TileLaunch& tl, unsigned 
     }
 }
 
-// A row's span and seed, checked: false (and a violation row from the caller's
-// lane 0 when `report`) for a reversed or out-of-range span or a seed outside
-// the canary; false and nothing reported for a row the plan skipped (it counted it).
-__device__ __forceinline__ bool row_ok(const WriteArgs& a, i64 r, i64 o0, i64 o1, i64 seed, bool report) {
-    if (seed == SEED_SKIP) return false;  // uniform over the caller's warp: one row
-    const bool span_bad = o0 < 0 || o1 > a.avail || o1 < o0;  // a reversed span: a forged plan
-    const bool seed_bad = !span_bad && (seed < -1 || seed >= a.num_slots);
-    if (report)
-        append_violation(a.ring, a.head, a.ring_capacity, lane_id() == 0 && (span_bad || seed_bad), a.tag,
-                         span_bad ? -1 : seed, -1, -1, -1, 0, 0,
-                         span_bad ? FAIL_INPUT_OUT_OF_RANGE : FAIL_SLOT_OUT_OF_RANGE, r, -1,
-                         write_detail(-1, -1, o0, o1, a.avail));
-    return !span_bad && !seed_bad && o1 > o0;
-}
-
+// --- the launch: each row to its route, then phase B and the counters ----------------
+// Phase B, fingerprints (kFp): grid-stride over all input tokens, g lanes per
+// token; each token finds its row by binary search over the write offsets
+// (non-decreasing as plan() writes them) and stores field 3 of its
+// record. A long prefill row is thus fingerprinted by the whole grid, not
+// by its warp.
+// Counters: each warp sums the slots it wrote and the tokens of its rows that
+// a negative slot skips, its block adds them up in shared memory and each with
+// one atomic at the end; block 0 adds the run, and one to writes_skipped when
+// the plan was never planned.
 // What a write launch takes: the write, and a digest (d.out null: none) that one
 // extra block, the grid's last, computes beside it (a step's tensor-parallel
 // agreement: one launch less on the step's critical path). The digest must not
