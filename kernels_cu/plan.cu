@@ -335,6 +335,7 @@ __device__ __forceinline__ void check_entry(const CheckArgs& c, bool act, i64 ro
 // launch's host cost and the gap between kernels.
 
 // Rows phase (ROW_UNROLL above).
+
 // slot_of_value for a token-level table (page 1) without branches: the LUT load is
 // predicated, so a loop of these keeps every load in flight at once.
 __device__ __forceinline__ i64 token_slot(const PlanArgs& a, i64 v) {
@@ -424,6 +425,7 @@ __device__ __forceinline__ void plan_row(const PlanArgs& a, i64 r, i64& errors, 
 }
 
 // Scan phase.
+
 // In place: a[1..n] holds counts; afterwards a[0] = 0 and a[1..n] the inclusive
 // sums. Returns the total (every thread). One block.
 __device__ i64 scan_counts(i64* a, i64 n, i64* sh) {
@@ -502,6 +504,7 @@ __device__ void plan_scan(const PlanArgs& a, i64* sh, i64& vtotal, i64& wtotal) 
 }
 
 // Fill phase.
+
 // The digest of a plan's verify entries, as digest.cu's digest_rows computes it over the
 // four entry arrays a plan writes (slot, prev slot, position, token) with these salts,
 // the plan's num_valid as their count and its enable as their gate: tensor-parallel

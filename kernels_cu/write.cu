@@ -791,6 +791,7 @@ __device__ void finish_tiles(const WriteArgs& a, const TileLaunch& tl, unsigned 
 // a negative slot skips, its block adds them up in shared memory and each with
 // one atomic at the end; block 0 adds the run, and one to writes_skipped when
 // the plan was never planned.
+
 // What a write launch takes: the write, and a digest (d.out null: none) that one
 // extra block, the grid's last, computes beside it (a step's tensor-parallel
 // agreement: one launch less on the step's critical path). The digest must not
