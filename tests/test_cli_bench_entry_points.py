@@ -35,6 +35,7 @@ ENTRY_POINTS = {
     "bench.selfcheck": False,
     "bench.tp_agreement_cost": False,
     "bench.transformers_overhead": True,
+    "bench.vllm_connector_overhead": False,
 }
 
 
