@@ -121,8 +121,7 @@ def test_header_constants_match_format():
 def test_header_holds_only_constants_kernels_use():
     """A constant stays in the header only if kernel code (not a comment) uses it."""
     d = cuda_sources.kernels_dir()
-    code = "\n".join(re.sub(r"//[^\n]*", "", (d / n).read_text())
-                      for n in [cuda_sources.HEADER] + [m.file for m in cuda_sources.MODULES.values()])
+    code = "\n".join(re.sub(r"//[^\n]*", "", (d / n).read_text()) for n in cuda_sources.files())
     for name in _header_constants():
         uses = len(re.findall(rf"\b{name}\b", code)) - 1  # less its definition
         assert uses > 0 or name == "NUM_COUNTERS", f"{name} is defined but no kernel uses it"
@@ -132,12 +131,12 @@ def test_kernels_index_counters_by_name():
     """Counters are indexed only through the header's CTR_* constants, and the
     argument structs say how long the counter array is by name, not by a number."""
     d = cuda_sources.kernels_dir()
-    for m in cuda_sources.MODULES.values():
-        text = (d / m.file).read_text()
+    for name in cuda_sources.files():
+        text = (d / name).read_text()
         for idx in re.findall(r"counters\s*(?:\+|\[)\s*([^)\]]+)", text):
-            assert idx.strip().startswith("CTR_"), f"{m.file}: counters indexed by {idx.strip()!r}"
+            assert idx.strip().startswith("CTR_"), f"{name}: counters indexed by {idx.strip()!r}"
         for comment in re.findall(r"\bcounters;\s*//([^\n]*)", text):
-            assert "NUM_COUNTERS" in comment, f"{m.file}: counters array described as {comment.strip()!r}"
+            assert "NUM_COUNTERS" in comment, f"{name}: counters array described as {comment.strip()!r}"
 
 
 def _struct_fields(file: str, struct: str) -> tuple:

@@ -83,8 +83,7 @@ def test_wheel_installs_and_finds_kernels(tmp_path):
                      if "__pycache__" not in p.parts)
     assert [m for m in modules if m not in names] == [], "modules missing from the wheel"
     cuda = sorted(n for n in names if n.endswith((".cu", ".cuh")))
-    library = sorted([f"kvcanary_cupy/kernels_cu/{m.file}" for m in cuda_sources.MODULES.values()]
-                     + [f"kvcanary_cupy/kernels_cu/{cuda_sources.HEADER}"])
+    library = sorted(f"kvcanary_cupy/kernels_cu/{name}" for name in cuda_sources.files())
     assert cuda == library, f"the wheel's CUDA sources are not exactly the library's kernels: {cuda}"
 
     venv = tmp_path / "venv"

@@ -73,7 +73,9 @@ def kernels_dir() -> Path:
 def source(family: str) -> str:
     """The full text of a kernel family's module: its file with every ``#include`` of
     another file of ``kernels_cu/`` inlined (each once; a module may build on another
-    family's file, as ``step.cu`` on ``plan.cu``), the common header among them."""
+    family's file, as ``step.cu`` on ``plan.cu``, and a file may keep a route in a part of
+    its own, as ``plan.cu`` its small route in ``plan_small.cuh``), the common header
+    among them."""
     if family not in MODULES:
         raise KeyError(f"kvcanary: no kernel family {family!r}; known: {sorted(MODULES)}")
     file = MODULES[family].file
@@ -83,12 +85,26 @@ def source(family: str) -> str:
     return _inline_local(text, {file})
 
 
-_LOCAL = re.compile(r'^#include "([\w.]+\.cu)"\n', re.M)
+# An include of another kernel file (X.cu) or of a part of one (X.cuh), not the common header.
+_LOCAL = re.compile(r'^#include "(?!%s")([\w.]+\.cuh?)"\n' % re.escape(HEADER), re.M)
+
+
+def files() -> tuple[str, ...]:
+    """Every file of ``kernels_cu/`` the modules are made of: each module's file, the files
+    and parts it includes, and the common header (what a wheel must ship)."""
+    found = {HEADER}
+    todo = [m.file for m in MODULES.values()]
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            todo += _LOCAL.findall((kernels_dir() / name).read_text())
+    return tuple(sorted(found))
 
 
 def _inline_local(text: str, seen: set) -> str:
-    """``text`` with each ``#include "X.cu"`` replaced by X's text (recursively, once per
-    file) and the common header inlined once."""
+    """``text`` with each ``#include "X.cu"`` or ``#include "X.cuh"`` replaced by X's text
+    (recursively, once per file) and the common header inlined once."""
     def one(m):
         name = m.group(1)
         if name in seen:
