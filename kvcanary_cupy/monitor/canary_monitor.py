@@ -34,63 +34,7 @@ from .requests import MonitorLog, RequestMap
 from .steps import AfterStep, BeforeStep, StepCache
 from .swa import SwaTranslation
 from .sweep import SweepChain, SweepPlanner
-
-
-def _guarded(fn, name: str | None = None):
-    """Run the method as one call of the monitor: refused, before it does anything, while
-    another thread is inside a call or has a step open (see "Threads" in :class:`KvCanary`);
-    ``name``: how errors name the call (default: the method's name). A step's calls pay a
-    non-blocking lock and an attribute read."""
-    name = name or fn.__name__
-
-    @functools.wraps(fn)
-    def call(self, *args, **kwargs):
-        guard = self._guard
-        me = threading.get_ident()
-        if not guard.lock.acquire(False):  # another thread is inside a call (this one's re-enter)
-            guard.refuse(name, me)
-        try:
-            # Read under the lock: a step opens and closes inside guarded calls only.
-            if guard.step_thread is not None and guard.step_thread != me:
-                guard.refuse(name, me)
-            if guard.depth == 0:
-                guard.inside, guard.inside_call = me, name
-            guard.depth += 1
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                guard.depth -= 1
-        finally:
-            guard.lock.release()
-    return call
-
-
-class _CallGuard:
-    """Which thread the monitor serves now: the one inside a call (holding ``lock``, an RLock,
-    so a call may make others), and the one whose step is open."""
-
-    def __init__(self):
-        self.lock = threading.RLock()
-        self.depth = 0  # guarded calls the holder of the lock is inside
-        self.inside = self.inside_call = None  # the holder and its outermost call, for errors
-        self.step_thread = None  # ident of the thread whose step is open
-
-    def refuse(self, name: str, me: int):
-        owner = self.step_thread
-        if owner is not None and owner != me:
-            raise RuntimeError(f"kvcanary: {name}: called from thread {_thread_name(me)} while the step "
-                               f"thread {_thread_name(owner)} opened (before_forward) is open on this monitor; a "
-                               f"step belongs to the thread that opened it: call the monitor from that thread, "
-                               f"or after its after_forward() / abort_step()")
-        raise RuntimeError(f"kvcanary: {name}: called from thread {_thread_name(me)} while thread "
-                           f"{_thread_name(self.inside)} is inside {self.inside_call}() on this monitor; a "
-                           f"monitor takes one call at a time: serialize the threads' calls (one lock "
-                           f"around each step and poll)")
-
-
-def _thread_name(ident: int) -> str:
-    t = next((t for t in threading.enumerate() if t.ident == ident), None)
-    return repr(t.name) if t is not None else str(ident)
+from .threads import CallGuard, guarded
 
 
 class KvCanary:
@@ -385,7 +329,7 @@ class KvCanary:
             runtime.empty((self.max_batch,), np.int64, self.device, fill=0),
             runtime.empty((self.max_batch,), np.int64, self.device, fill=0))
         self._after_views: dict = {}  # batch size -> views of _after_rows
-        self._guard = _CallGuard()
+        self._guard = CallGuard()
         self.log._own(self._clear_log)
 
     # ------------------------------------------------------------------ setup
@@ -406,7 +350,7 @@ class KvCanary:
     def write_plan(self) -> WritePlan:
         return self.main.wp
 
-    @_guarded
+    @guarded
     def bind_inputs(self, *, req_pool_indices=None, prefix_lens=None, extend_lens=None, input_ids=None,
                     positions=None, out_cache_loc=None, swa_out_cache_loc=None, expected_valid_lens=None) -> None:
         """Import the engine's persistent per-step input buffers once.
@@ -438,7 +382,7 @@ class KvCanary:
         if self.swa is not None and loc is not None:
             self._swa_map.reserve(int(loc.shape[0]), self.swa.swa.lut)
 
-    @_guarded
+    @guarded
     def rebind(self, *, req_to_token=None, block_table=None, expected_tokens=None, swa_lut=None, real_kv=None,
                swa_real_kv=None) -> None:
         """Point the monitor at new arrays of the same geometry.
@@ -506,7 +450,7 @@ class KvCanary:
             g.sources = srcs
 
     # ------------------------------------------------------------------ warm-up
-    @_guarded
+    @guarded
     def set_position_check(self, on: bool, stream=None) -> None:
         """Turn write's chain-position check on or off (a device write; captured graphs see it).
 
@@ -545,7 +489,7 @@ class KvCanary:
         finally:
             self.end_warmup(stream)
 
-    @_guarded
+    @guarded
     def end_warmup(self, stream=None) -> None:
         """Discard warm-up results (violations, input errors, overflow counts, step count)
         and switch the position check on. Synchronizes: call it outside the hot path."""
@@ -562,7 +506,7 @@ class KvCanary:
         self._reader.reset()
         self._steps = 0
 
-    @functools.partial(_guarded, name="log.clear")
+    @functools.partial(guarded, name="log.clear")
     def _clear_log(self, stream=None) -> None:
         """``log.clear()``: empty the ring and start the request map, the agreement's view of
         the ring and the poll copy over with it, so the rows that follow map to their requests
@@ -577,7 +521,7 @@ class KvCanary:
         self._window_start = 0
 
     # ------------------------------------------------------------------ per step
-    @_guarded
+    @guarded
     def before_forward(self, req_pool_indices=None, prefix_lens=None, extend_lens=None, *, batch_size=None,
                        expected_valid_lens=None, expected: ExpectedTokens | None = None, request_ids=None,
                        input_ids=None, positions=None, out_cache_loc=None, num_tokens=None, swa_out_cache_loc=None,
@@ -785,7 +729,7 @@ class KvCanary:
         self._after_steps.clear()
         self._expected_with_bound = None
 
-    @_guarded
+    @guarded
     def abort_step(self) -> None:
         """Close a step whose forward failed: nothing is stamped, ``stats()["aborted_steps"]``
         counts it, and the next :meth:`before_forward` may follow. The records the step did
@@ -813,7 +757,7 @@ class KvCanary:
         self._step_open = None
         self._guard.step_thread = None
 
-    @_guarded
+    @guarded
     def after_forward(self, input_ids=None, positions=None, out_cache_loc=None, *, num_tokens=None,
                       swa_out_cache_loc=None, expected_input_ids=None, expected_positions=None, stream=None) -> None:
         """Stamp the records of the tokens the step wrote, after the model wrote their K/V.
@@ -953,7 +897,7 @@ class KvCanary:
                          groups=tuple(groups), tokens=min(int(a.shape[0]) for a in given if a is not None))
 
     # ------------------------------------------------------------------ graphs
-    @_guarded
+    @guarded
     def note_step(self, request_ids=None) -> None:
         """Count one replay of a captured step and name its batch rows.
 
@@ -974,7 +918,7 @@ class KvCanary:
         self._requests.replay(request_ids)
 
     # ------------------------------------------------------------------ sweep
-    @_guarded
+    @guarded
     def sweep(self, chains: Sequence, *, group: str = "main", stream=None) -> int:
         """Verify the next slice of idle cached sequences; returns the records planned.
 
@@ -1026,7 +970,7 @@ class KvCanary:
             raise ValueError(f"kvcanary: group: expected {names}, got {group!r}")
         return g
 
-    @_guarded
+    @guarded
     def export_slots(self, slots, *, group: str = "main", stream=None):
         """The records of ``slots``, to travel with their KV (offload, disaggregation, another rank).
 
@@ -1056,7 +1000,7 @@ class KvCanary:
         g = self._group(group)
         return transfer.export_records(g.canary, slots, stream=self._inputs.stream(stream))
 
-    @_guarded
+    @guarded
     def import_slots(self, slots, records, *, group: str = "main", stream=None) -> None:
         """Write records that travelled with their KV into ``slots`` (any slots: where the KV landed).
 
@@ -1094,7 +1038,7 @@ class KvCanary:
         self._keepalive.hold(records)  # the scatter may run after this call returns
 
     # ------------------------------------------------------------------ results
-    @_guarded
+    @guarded
     def poll(self, stream=None, *, queue_next: bool = True) -> list[Violation]:
         """The violations found since the previous poll, mapped to request ids, after the policy ran.
 
@@ -1203,7 +1147,7 @@ class KvCanary:
         self._keepalive.hold(g.vp)  # the step in flight may still read the old entries
         return f"grown to {g.grow(max_requested)}"
 
-    @_guarded
+    @guarded
     def read(self) -> list[Violation]:
         """Every violation row the ring holds, mapped, without the policy (synchronizes)."""
         rows = self.log.read()
@@ -1261,7 +1205,7 @@ class KvCanary:
         return out
 
     # ------------------------------------------------------------------ expected tokens
-    @_guarded
+    @guarded
     def record_tokens(self, req_pool_indices, tokens, offsets, stream=None) -> None:
         """Write each request's token ids into the bound expected-token table, from position 0
         (:func:`kvcanary_cupy.scatter_expected_tokens`; the table must be writable).
