@@ -29,7 +29,8 @@ from .group import SCALAR_WORDS, SwaGroup, main_group, swa_group
 from .inputs import StepInputs
 from .lifetime import Keepalive
 from .outputs import Outputs
-from .policy import Reporter, apply_policy, check_policy, stats_dict
+from .plan_counters import PlanCounters
+from .policy import Reporter, apply_policy, check_policy, group_stats, stats_dict
 from .requests import MonitorLog, RequestMap
 from .steps import AfterStep, BeforeStep, StepCache
 from .swa import SwaTranslation
@@ -297,6 +298,9 @@ class KvCanary:
         self._requests = RequestMap(history=history, device=self.device, log=self.log,
                                     heads=polled[2 * SCALAR_WORDS:2 * SCALAR_WORDS + history])
         self._reporter = Reporter(g.name for g in self.groups)
+        self._plan_counters = PlanCounters(groups=self.groups, reporter=self._reporter, requests=self._requests,
+                                           keepalive=self._keepalive, device=self.device,
+                                           grow_on_overflow=self.grow_on_overflow, page_size=self.page_size)
         self._agreement = None
         if process_group is not None:
             self._agreement = Agreement(process_group, device=self.device, log=self.log, send=send,
@@ -1086,7 +1090,7 @@ class KvCanary:
         out = []
         if scal is not None:
             n = len(self.groups)
-            self._report(scal[:n], scal[n + 1], ptr, upto_seq, replay_now)
+            self._plan_counters.report(scal[:n], scal[n + 1], ptr, upto_seq, replay_now)
             out = self._requests.map_rows(found, scal[n], upto_seq, replay_now)
             if self._agreement is not None:
                 out = self._agreement.release(out, scal[n + 2])
@@ -1118,34 +1122,6 @@ class KvCanary:
         """End every open incident (an ``incident_end`` event each) and close the event file.
         The monitor may step on; later incidents are reported as usual but written nowhere."""
         self._outputs.close(step=self._steps)
-
-    def _report(self, group_scalars, counters, ptr, upto_seq: int, replay_now: int) -> None:
-        """Warn about what a poll's copy shows beyond violations; grow overflowed plans. The
-        copy's plans are those of the newest step up to sequence ``upto_seq``."""
-        self._reporter.writes_skipped(counters)
-        for g, sc in zip(self.groups, group_scalars):
-            c = g.counts(sc)
-            if self._reporter.new_overflows(g.name, c["overflows"]) > 0:
-                cap = g.vp.capacity
-                action = self._after_overflow(g, c["max_requested"], ptr)
-                self._reporter.overflowed(g.name, c["overflows"], max_requested=c["max_requested"], capacity=cap,
-                                          action=action)
-            first = c["first_input_error"]
-            request = None if first is None else self._requests.step_request(first["batch_row"], upto_seq,
-                                                                            replay_now)
-            self._reporter.input_errors(g.name, c["input_errors"], c["rows_unstamped"], first=first,
-                                        request=request, page_size=self.page_size)
-
-    def _after_overflow(self, g, max_requested: int, ptr) -> str:
-        """Grow ``g``'s verify plan to hold ``max_requested`` entries where that is safe; says what was done."""
-        if not self.grow_on_overflow:
-            return "not grown (grow_on_overflow=False)"
-        if self._requests.captured:
-            return "not grown: a CUDA graph captured the plan (use verify_capacity='max')"
-        if runtime.is_capturing(self.device, ptr) or max_requested <= g.vp.capacity:
-            return "not grown now"
-        self._keepalive.hold(g.vp)  # the step in flight may still read the old entries
-        return f"grown to {g.grow(max_requested)}"
 
     @guarded
     def read(self) -> list[Violation]:
@@ -1189,20 +1165,12 @@ class KvCanary:
             >>> s["steps"], s["slots_written"], s["groups"]["main"]["capacity"], s["chain"]
             (1, 3, 32, 'scan')
         """
-        per = {}
         now = self._reader.read_now()
-        for g, sc in zip(self.groups, now):
-            c = g.counts(sc)
-            per[g.name] = {"capacity": g.vp.capacity, "max_requested": c["max_requested"],
-                           "overflows": c["overflows"], "input_errors": c["input_errors"],
-                           "rows_unstamped": c["rows_unstamped"]}
+        per = group_stats(self.groups, now)
         agreement = None if self._agreement is None else self._agreement.stats(now[len(self.groups) + 2])
-        out = stats_dict(steps=self._steps, aborted=self._aborted, violations=self._violations, log=self.log,
-                         groups=per, sweeps=self._sweeps, sweep_entries=self._sweep_entries, agreement=agreement,
-                         chain=self.chain)
-        out["tokens_unrecorded_rows"] = 0 if self._record_errors is None else int(runtime.to_host(self._record_errors)[0])
-        out["incidents"] = self._outputs.incidents
-        return out
+        return stats_dict(steps=self._steps, aborted=self._aborted, violations=self._violations, log=self.log,
+                          groups=per, sweeps=self._sweeps, sweep_entries=self._sweep_entries, agreement=agreement,
+                          chain=self.chain, record_errors=self._record_errors, incidents=self._outputs.incidents)
 
     # ------------------------------------------------------------------ expected tokens
     @guarded

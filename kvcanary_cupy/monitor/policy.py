@@ -12,6 +12,7 @@ import sys
 import warnings
 from typing import Callable
 
+from .. import runtime
 from ..format import COUNTER_NAMES
 from ..plans import describe_input_error
 from ..violations import Violation
@@ -145,17 +146,35 @@ class Reporter:
 AGREEMENT_STATS = ("group_violations", "divergences", "agreement_steps")
 
 
+def group_stats(groups, scalars) -> dict:
+    """Per group, by name, from a host copy of each group's scalars (``scalars``, in the
+    groups' order): ``capacity``, ``max_requested``, ``overflows``, ``input_errors``,
+    ``rows_unstamped`` (see :meth:`KvCanary.stats`)."""
+    per = {}
+    for g, sc in zip(groups, scalars):
+        c = g.counts(sc)
+        per[g.name] = {"capacity": g.vp.capacity, "max_requested": c["max_requested"],
+                       "overflows": c["overflows"], "input_errors": c["input_errors"],
+                       "rows_unstamped": c["rows_unstamped"]}
+    return per
+
+
 def stats_dict(*, steps: int, aborted: int, violations: int, log, groups: dict, sweeps: int,
-               sweep_entries: int, agreement: dict | None = None, chain: str) -> dict:
+               sweep_entries: int, agreement: dict | None = None, chain: str, record_errors=None,
+               incidents: int = 0) -> dict:
     """The dict :meth:`KvCanary.stats` returns; ``groups`` maps each group's name to its
-    ``capacity``, ``max_requested``, ``overflows``, ``input_errors`` and ``rows_unstamped``; ``agreement`` holds
-    the tensor-parallel counters (None: no process group, all 0); ``chain`` is the monitor's
-    chain kind."""
+    ``capacity``, ``max_requested``, ``overflows``, ``input_errors`` and ``rows_unstamped`` (see
+    :func:`group_stats`); ``agreement`` holds the tensor-parallel counters (None: no process
+    group, all 0); ``chain`` is the monitor's chain kind; ``record_errors`` the device scalar of
+    the rows ``record_tokens`` skipped (None: it never ran); ``incidents``: opened so far."""
     agreement = agreement if agreement is not None else dict.fromkeys(AGREEMENT_STATS, 0)
-    return {"steps": steps, "aborted_steps": aborted, "violations": violations, "logged": log.count,
-            "dropped": log.dropped,
-            "overflows": sum(p["overflows"] for p in groups.values()),
-            "input_errors": sum(p["input_errors"] for p in groups.values()),
-            "rows_unstamped": sum(p["rows_unstamped"] for p in groups.values()),
-            **log.counters(), "sweeps": sweeps, "sweep_entries": sweep_entries,
-            **{k: agreement[k] for k in AGREEMENT_STATS}, "chain": chain, "groups": groups}
+    out = {"steps": steps, "aborted_steps": aborted, "violations": violations, "logged": log.count,
+           "dropped": log.dropped,
+           "overflows": sum(p["overflows"] for p in groups.values()),
+           "input_errors": sum(p["input_errors"] for p in groups.values()),
+           "rows_unstamped": sum(p["rows_unstamped"] for p in groups.values()),
+           **log.counters(), "sweeps": sweeps, "sweep_entries": sweep_entries,
+           **{k: agreement[k] for k in AGREEMENT_STATS}, "chain": chain, "groups": groups}
+    out["tokens_unrecorded_rows"] = 0 if record_errors is None else int(runtime.to_host(record_errors)[0])
+    out["incidents"] = incidents
+    return out
