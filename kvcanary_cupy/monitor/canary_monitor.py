@@ -1,15 +1,18 @@
 """KvCanary: the per-step orchestration an engine integrates.
 
-The monitor's jobs live in the modules beside this one: :mod:`.group` (a watched
-pool: canary, plans, scalars, capacity), :mod:`.inputs` (bound buffers, per-call
-imports, the stream), :mod:`.steps` (a step's op arguments, prepared once per
-shape of step), :mod:`.requests` (which request a violation row belongs to),
-:mod:`.swa` (SWA slot translation), :mod:`.lifetime` (keeping arrays alive for
-queued work), :mod:`.policy` (violations, warnings, stats) and :mod:`.sweep`
-(idle cached chains). :class:`KvCanary` runs the ops around the forward and
-hands the rest to them. Given a ``process_group``, each step ends with the
-tensor-parallel agreement of :mod:`kvcanary_cupy.distributed`, and records move
-with their KV through :mod:`kvcanary_cupy.transfer`.
+The monitor's jobs live in the modules beside this one: :mod:`.options` (the
+constructor's options, checked), :mod:`.parts` (the parts built from them),
+:mod:`.group` (a watched pool: canary, plans, scalars, capacity), :mod:`.inputs`
+(bound buffers, per-call imports, the stream), :mod:`.steps` (a step's op arguments,
+prepared once per shape of step), :mod:`.requests` (which request a violation row
+belongs to), :mod:`.swa` (SWA slot translation), :mod:`.lifetime` (keeping arrays
+alive for queued work), :mod:`.policy` (violations, warnings, stats),
+:mod:`.plan_counters` (what a poll does with the plans' counters), :mod:`.outputs`
+(incidents, events, metrics), :mod:`.sweep` (idle cached chains) and :mod:`.threads`
+(one thread at a time). :class:`KvCanary` runs the ops around the forward and hands
+the rest to them. Given a ``process_group``, each step ends with the tensor-parallel
+agreement of :mod:`kvcanary_cupy.distributed`, and records move with their KV through
+:mod:`kvcanary_cupy.transfer`.
 """
 from __future__ import annotations
 
@@ -20,21 +23,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import arrays, ops, runtime, scalars, transfer
+from .. import ops, runtime, transfer
 from ..canary import CanaryBuffer, RealKvSource
-from ..format import DEFAULT_CHAIN, NUM_COUNTERS, LaunchTag, RealKvMode, check_chain
-from ..plans import ExpectedTokens, SwaWindow, VerifyPlan, WritePlan, check_token_offset
+from ..format import DEFAULT_CHAIN, LaunchTag, RealKvMode
+from ..plans import ExpectedTokens, SwaWindow, VerifyPlan, WritePlan
 from ..violations import Violation
-from .group import SCALAR_WORDS, SwaGroup, main_group, swa_group
-from .inputs import StepInputs
-from .lifetime import Keepalive
-from .outputs import Outputs
-from .plan_counters import PlanCounters
-from .policy import Reporter, apply_policy, check_policy, group_stats, stats_dict
-from .requests import MonitorLog, RequestMap
-from .steps import AfterStep, BeforeStep, StepCache
-from .swa import SwaTranslation
-from .sweep import SweepChain, SweepPlanner
+from .group import SwaGroup
+from .options import check_like, check_options
+from .parts import build_parts
+from .policy import apply_policy, group_stats, stats_dict
+from .steps import AfterStep, BeforeStep
+from .sweep import SweepChain
 from .threads import CallGuard, guarded
 
 
@@ -211,129 +210,41 @@ class KvCanary:
                  sweep_max_chains: int = 64, history: int = 256, process_group=None, chain: str = DEFAULT_CHAIN,
                  stamp_before_forward: bool = False, window: int | None = None, events=None,
                  metrics=False, incident_quiet_steps: int = 64, name: str = ""):
-        self.chain = check_chain(chain, "chain")
-        self.policy = check_policy(policy)
-        self._outputs = Outputs(events=events, metrics=metrics, quiet_steps=incident_quiet_steps, name=name)
-        kind, _ = runtime.parse_device(device)
-        self.device = "cpu" if kind == "cpu" else runtime.device_of(runtime.empty((1,), np.int64, device))
+        opts = check_options(num_slots=num_slots, max_batch=max_batch, device=device, real_kv=real_kv,
+                             real_kv_mode=real_kv_mode, swa=swa, token_offset=token_offset, draft=draft,
+                             grow_on_overflow=grow_on_overflow, verify_after=verify_after,
+                             fingerprint_sample_period=fingerprint_sample_period, ring_capacity=ring_capacity,
+                             policy=policy, max_tokens=max_tokens, sweep_budget=sweep_budget,
+                             sweep_max_chains=sweep_max_chains, history=history, process_group=process_group,
+                             chain=chain, stamp_before_forward=stamp_before_forward, window=window)
+        parts = build_parts(opts, req_to_token=req_to_token, block_table=block_table, page_size=page_size,
+                            expected_tokens=expected_tokens, swa=swa, verify_capacity=verify_capacity,
+                            process_group=process_group, events=events, metrics=metrics,
+                            incident_quiet_steps=incident_quiet_steps, name=name)
+        # --- options ----------------------------------------------------------
+        self.chain, self.policy, self.device, self.max_batch = opts.chain, opts.policy, opts.device, opts.max_batch
         self._cpu = self.device == "cpu"
         self.xp = runtime.array_module(self.device)
-        self.max_batch = scalars.check_int(max_batch, "max_batch", minimum=1)
-        num_slots = scalars.check_int(num_slots, "num_slots", minimum=1)
-        draft = scalars.check_flag(draft, "draft")
-        ring_capacity = scalars.check_int(ring_capacity, "ring_capacity", minimum=1)
-        sweep_budget = scalars.check_int(sweep_budget, "sweep_budget", minimum=1)
-        sweep_max_chains = scalars.check_int(sweep_max_chains, "sweep_max_chains", minimum=1)
-        history = scalars.check_int(history, "history", minimum=1)
-        if fingerprint_sample_period is not None:
-            fingerprint_sample_period = scalars.check_int(fingerprint_sample_period, "fingerprint_sample_period",
-                                                         minimum=1)
-        if max_tokens is not None:
-            max_tokens = scalars.check_int(max_tokens, "max_tokens", minimum=0)
-        if window is not None:
-            window = scalars.check_int(window, "window", minimum=1)
-            if swa is not None:
-                raise ValueError("kvcanary: window: a windowed pool is watched alone; pass window or swa, not both")
-
-        # --- the slot table, bound once -------------------------------------
-        self._table_kw, table, self.page_size = ops.slot_table(req_to_token, block_table, page_size, num_slots)
-        self.table = arrays.as_index_array(table, self._table_kw, ndim=2, device=self.device)
-        width = min(int(self.table.shape[1]) * self.page_size, (1 << 63) - 1)
-
-        # --- expected tokens --------------------------------------------------
-        self.token_offset = check_token_offset(token_offset if token_offset is not None else (1 if draft else 0),
-                                               "token_offset")
-        self._valid_lens = runtime.empty((self.max_batch,), np.int64, self.device, fill=0)
-        self.expected_table = None
-        self._expected = None
-        if expected_tokens is not None:
-            self.expected_table = arrays.as_index_array(expected_tokens, "expected_tokens", ndim=2, device=self.device)
-            self._expected = ExpectedTokens(self.expected_table, self._valid_lens, self.token_offset)
-
-        # --- groups -----------------------------------------------------------
-        srcs = ops.source_tuple(real_kv)
-        mode = ops.real_kv_mode_of(real_kv_mode) if real_kv_mode is not None else (
-            RealKvMode.PARTIAL if srcs else RealKvMode.NONE)
-        self.grow_on_overflow = scalars.check_flag(grow_on_overflow, "grow_on_overflow")
-        self.verify_after = scalars.check_flag(verify_after, "verify_after")
-        self.stamp_before_forward = scalars.check_flag(stamp_before_forward, "stamp_before_forward")
-        if self.stamp_before_forward:
-            why = ("real-KV fingerprints (a record stamped before the forward cannot hold K/V the forward has not "
-                   "written yet; use real_kv_mode NONE)" if srcs and mode != RealKvMode.NONE else
-                   "verify_after (it checks what the forward left, after the stamp)" if self.verify_after else
-                   "a process_group (the ranks agree on what after_forward stamps)" if process_group is not None
-                   else None)
-            if why is not None:
-                raise ValueError(f"kvcanary: stamp_before_forward: not with {why}")
-        # What every poll reads lives in one block, so one copy moves it: each group's plan
-        # scalars, the log head snapshots, the log's counters and (without an agreement, which
-        # sends it) the log's head.
-        polled = runtime.empty((2 * SCALAR_WORDS + history + NUM_COUNTERS + 1,), np.int64, self.device, fill=0)
-        self.main = main_group(num_slots=num_slots, device=self.device, max_batch=self.max_batch, width=width,
-                               verify_capacity=verify_capacity, sources=srcs, mode=mode,
-                               sample_period=fingerprint_sample_period, draft=draft, chain=self.chain,
-                               sc=polled[:SCALAR_WORDS], window=window)
-        self.swa = None if swa is None else swa_group(swa, device=self.device, max_batch=self.max_batch, width=width,
-                                                      mode=mode, sample_period=fingerprint_sample_period,
-                                                      chain=self.chain, sc=polled[SCALAR_WORDS:2 * SCALAR_WORDS])
-        self.groups = [g for g in (self.main, self.swa) if g is not None]
-        for g in self.groups:  # misuse shows here, not in the first step
-            g.check_sources()
-        send = None
-        if process_group is not None:
-            from ..distributed import Agreement  # noqa: PLC0415  (imports PyTorch)
-
-            send = Agreement.allocate_send(self.device)  # its word 1 is the log's head: sent without a copy
-        self.log = MonitorLog.allocate(capacity=ring_capacity, device=self.device,
-                                       head=polled[-1:] if send is None else send[1:],
-                                       counters=polled[2 * SCALAR_WORDS + history:-1])
-
-        # --- what a step hands work to ----------------------------------------
-        self._keepalive = Keepalive(self.device)
-        self._inputs = StepInputs(self.device, self._keepalive, torch_inputs=runtime.is_torch(table))
-        self._swa_map = SwaTranslation(self.device, self._keepalive)
-        if self.swa is not None and max_tokens:
-            self._swa_map.reserve(max_tokens, self.swa.swa.lut)
-        self._sweep = SweepPlanner(budget=sweep_budget, max_chains=sweep_max_chains, device=self.device)
-        self._requests = RequestMap(history=history, device=self.device, log=self.log,
-                                    heads=polled[2 * SCALAR_WORDS:2 * SCALAR_WORDS + history])
-        self._reporter = Reporter(g.name for g in self.groups)
-        self._plan_counters = PlanCounters(groups=self.groups, reporter=self._reporter, requests=self._requests,
-                                           keepalive=self._keepalive, device=self.device,
-                                           grow_on_overflow=self.grow_on_overflow, page_size=self.page_size)
-        self._agreement = None
-        if process_group is not None:
-            self._agreement = Agreement(process_group, device=self.device, log=self.log, send=send,
-                                        keepalive=self._keepalive)
-            for g in self.groups:
-                g.keep_entry_digest(self._keepalive.hold)
-        # One pinned copy per poll: every group's scalars, the head snapshots, the log's counters
-        # (and the agreement's state), the log's head and the ring rows after those polled.
-        self._reader = runtime.HostReader(self.device, [g.sc for g in self.groups]
-                                          + [self._requests.heads, self.log.counter_array]
-                                          + ([self._agreement.state] if self._agreement is not None else [])
-                                          + [self.log.head, self.log.ring])
+        self.token_offset, self.window = opts.token_offset, opts.window
+        self.grow_on_overflow, self.verify_after = opts.grow_on_overflow, opts.verify_after
+        self.stamp_before_forward = opts.stamp_before_forward
+        # --- parts (see .parts) -----------------------------------------------
+        self.page_size = parts.layout.page_size
+        self.main, self.swa, self.groups, self.log = parts.main, parts.swa, parts.groups, parts.log
+        self._keepalive, self._inputs, self._layout = parts.keepalive, parts.inputs, parts.layout
+        self._swa_map, self._sweep, self._requests = parts.swa_map, parts.sweep, parts.requests
+        self._reporter, self._plan_counters, self._agreement = parts.reporter, parts.plan_counters, parts.agreement
+        self._reader, self._outputs = parts.reader, parts.outputs
+        # --- state and counts ---------------------------------------------------
         self._window_start = 0  # the first ring row the queued copy holds
-        # Prepared op arguments per shape of step (see .steps); dropped when what they hold changes.
-        self._before_steps = StepCache()
-        self._after_steps = StepCache()
-        self._expected_with_bound = None  # the expected-token table with the bound valid lengths
-
-        # --- counts -------------------------------------------------------------
+        self._step_open = None  # (stream ptr, tokens checked, BeforeStep) between before_ and after_forward
+        self._guard = CallGuard()
         self._sweeps = 0
         self._sweep_entries = 0
         self._steps = 0
         self._violations = 0
-        self._step_open = None  # (stream ptr, tokens checked, BeforeStep) between before_ and after_forward
         self._aborted = 0
         self._record_errors = None  # record_tokens' skipped rows, a device scalar once it runs
-        self.window = window
-        # The window a step leaves, planned after its write (verify_after with a window).
-        self._after_rows = None if window is None or not self.verify_after else (
-            runtime.empty((self.max_batch,), np.int64, self.device, fill=0),
-            runtime.empty((self.max_batch,), np.int64, self.device, fill=0))
-        self._after_views: dict = {}  # batch size -> views of _after_rows
-        self._guard = CallGuard()
         self.log._own(self._clear_log)
 
     # ------------------------------------------------------------------ setup
@@ -353,6 +264,16 @@ class KvCanary:
     @property
     def write_plan(self) -> WritePlan:
         return self.main.wp
+
+    @property
+    def table(self):
+        """The slot table (``req_to_token`` or ``block_table``), read in place every step."""
+        return self._layout.table
+
+    @property
+    def expected_table(self):
+        """The expected-token table (None: no token check), read in place every step."""
+        return self._layout.expected_table
 
     @guarded
     def bind_inputs(self, *, req_pool_indices=None, prefix_lens=None, extend_lens=None, input_ids=None,
@@ -381,7 +302,7 @@ class KvCanary:
         self._inputs.bind(dict(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                                swa_out_cache_loc=swa_out_cache_loc, expected_valid_lens=expected_valid_lens))
-        self._forget_steps()
+        self._layout.forget()
         loc = self._inputs.bound("out_cache_loc")
         if self.swa is not None and loc is not None:
             self._swa_map.reserve(int(loc.shape[0]), self.swa.swa.lut)
@@ -416,42 +337,20 @@ class KvCanary:
         # Queued work may still read the old arrays.
         self._keepalive.retire((self.table, self.expected_table, self.main.sources,
                                 self.swa and (self.swa.swa, self.swa.sources)), self._inputs.stream(None))
-        self._forget_steps()  # prepared steps hold the old table, LUT and sources
-
-        def same(obj, name, like):
-            a = arrays.as_index_array(obj, name, ndim=like.ndim, device=self.device)
-            if tuple(a.shape) != tuple(like.shape):
-                raise ValueError(f"kvcanary: {name}: expected shape {tuple(like.shape)} like the array bound at "
-                                 f"construction, got {tuple(a.shape)}")
-            return a
-
-        other = "block_table" if self._table_kw == "req_to_token" else "req_to_token"
-        if (req_to_token if other == "req_to_token" else block_table) is not None:
-            raise ValueError(f"kvcanary: {other}: this monitor was bound to a {self._table_kw}; rebind that instead")
-        table = req_to_token if self._table_kw == "req_to_token" else block_table
-        if table is not None:
-            self.table = same(table, self._table_kw, self.table)
-        if expected_tokens is not None:
-            if self.expected_table is None:
-                raise ValueError("kvcanary: expected_tokens: no expected-token table was bound at construction")
-            self.expected_table = same(expected_tokens, "expected_tokens", self.expected_table)
-            self._expected = ExpectedTokens(self.expected_table, self._valid_lens, self.token_offset)
+        self._layout.rebind(req_to_token=req_to_token, block_table=block_table, expected_tokens=expected_tokens)
         if (swa_lut is not None or swa_real_kv is not None) and self.swa is None:
             raise ValueError("kvcanary: swa_lut: this monitor has no SWA group")
         if swa_lut is not None:
-            lut = same(swa_lut, "swa_lut", self.swa.swa.lut)
+            lut = check_like(swa_lut, "swa_lut", self.swa.swa.lut, self.device)
             if lut.dtype != self.swa.swa.lut.dtype:
                 self._swa_map.forget()
             self.swa.swa = SwaWindow(self.swa.swa.size, lut)
             loc = self._inputs.bound("out_cache_loc")
             if self._swa_map.capacity == 0 and loc is not None:
                 self._swa_map.reserve(int(loc.shape[0]), lut)
-        for g, srcs in ((self.main, real_kv), (self.swa, swa_real_kv)):
-            if srcs is None:
-                continue
-            srcs = ops.source_tuple(srcs, "real_kv" if g is self.main else "swa_real_kv")
-            ops.check_sources(srcs, g.mode, self.device, g.canary.num_slots)
-            g.sources = srcs
+        for g, srcs, name in ((self.main, real_kv, "real_kv"), (self.swa, swa_real_kv, "swa_real_kv")):
+            if srcs is not None:
+                g.replace_sources(srcs, name)
 
     # ------------------------------------------------------------------ warm-up
     @guarded
@@ -574,26 +473,15 @@ class KvCanary:
         if self._step_open is not None:
             raise ValueError("kvcanary: before_forward: the previous step is still open; call after_forward() "
                              "after the forward (or abort_step() if the forward failed) before planning the next")
-        step = None
-        if (req_pool_indices is None and prefix_lens is None and extend_lens is None and expected_valid_lens is None
-                and (batch_size is None or type(batch_size) is int)
-                and (expected is None or type(expected) is ExpectedTokens)):
-            key = (batch_size, expected)
-            step = self._before_steps.get(key)
-            if step is None:
-                step = self._before_step(None, None, None, batch_size, None, expected)
-                step.launches = StepCache(capacity=8)  # kept: what it records, for a few stamps
-                self._before_steps.put(key, step)
-        if step is None:
-            step = self._before_step(req_pool_indices, prefix_lens, extend_lens, batch_size, expected_valid_lens,
-                                     expected)
+        step = self._layout.before(req_pool_indices, prefix_lens, extend_lens, batch_size, expected_valid_lens,
+                                   expected)
         if request_ids is not None and len(request_ids) != step.bs:
             raise ValueError(f"kvcanary: request_ids: expected one id per batch row ({step.bs}), "
                              f"got {len(request_ids)}")
         stamp = None
         if self.stamp_before_forward:
-            stamp = self._prepared_after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                                         expected_input_ids, expected_positions)
+            stamp = self._layout.after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
+                                       expected_input_ids, expected_positions)
         elif (input_ids is not None or positions is not None or out_cache_loc is not None or num_tokens is not None
               or swa_out_cache_loc is not None or expected_input_ids is not None or expected_positions is not None):
             raise ValueError("kvcanary: input_ids: a step's write inputs go to after_forward (or construct the "
@@ -605,25 +493,18 @@ class KvCanary:
             capturing = self._inputs.capturing(ptr)
         self._requests.step(ptr, capturing=capturing, request_ids=request_ids)
         if step.valid_lens is not None:
-            self._fill_valid_lens(step, ptr)
+            self._layout.fill_valid_lens(step, ptr)
         repair = self._cpu and self.grow_on_overflow  # on a GPU: at the next poll
         kept = step.launches is not None and (stamp is None or stamp.kept)
-        recorded = step.launches.get(stamp) if kept else None
-        if recorded is not None:
-            for g, vp in recorded[0]:
-                if g.vp is not vp:  # grown since: record the step again
-                    recorded = None
-                    break
-        if recorded is not None:
-            for launch in recorded[1]:
+        launches = step.recorded(stamp) if kept else None
+        if launches is not None:
+            for launch in launches:
                 launch(ptr)
         else:
-            rec = None
-            if kept and self._recordable(stamp, repair):
-                rec = ops.Recording(ptr)
+            rec = ops.Recording(ptr) if kept and self._recordable(stamp, repair) else None
             self._check_step(step, stamp, ptr, ptr if rec is None else rec, repair)
             if rec is not None:
-                step.launches.put(stamp, (tuple((g, g.vp) for g in self.groups), tuple(rec.ops)))
+                step.record(stamp, self.groups, rec.ops)
         if not capturing:
             self._steps += 1
         self._step_open = (ptr, step.check_tokens, step)
@@ -671,67 +552,6 @@ class KvCanary:
                                 digest=g.entry_digest, stream=s)
         if stamp is not None and len(stamped) < len(step.groups):
             self._write_step(stamp, ptr, skip=stamped, stream=s)
-
-    def _before_step(self, req_pool_indices, prefix_lens, extend_lens, batch_size, expected_valid_lens,
-                     expected) -> BeforeStep:
-        """Import and check a step's arguments (the bound buffers where None) and lay out the ops'."""
-        if batch_size is not None:
-            batch_size = scalars.check_int(batch_size, "batch_size", minimum=0)
-        arg = self._inputs.arg
-        rpi = arg(req_pool_indices, "req_pool_indices", batch_size)
-        bs = int(rpi.shape[0])
-        pre = arg(prefix_lens, "prefix_lens", bs, min_len=bs)
-        ext = arg(extend_lens, "extend_lens", bs, min_len=bs)
-        if bs > self.max_batch:
-            raise ValueError(f"kvcanary: req_pool_indices: a batch of {bs} rows exceeds max_batch = {self.max_batch}")
-        exp, valid_lens = expected, None
-        if exp is None and self._expected is not None:
-            exp = self._expected
-            if expected_valid_lens is not None:  # this step's own: copied into the monitor's buffer
-                valid_lens = (arg(expected_valid_lens, "expected_valid_lens", bs, min_len=bs), None,
-                              self._valid_lens[:bs])
-            elif "expected_valid_lens" in self._inputs:  # bound: the plan reads the buffer in place
-                arg(None, "expected_valid_lens", bs)  # (it holds the batch's rows)
-                exp = self._expected_bound()
-            else:
-                valid_lens = (pre, ext, self._valid_lens[:bs])
-        table = {self._table_kw: self.table}
-        if self._table_kw == "block_table":
-            table["page_size"] = self.page_size
-        groups = []
-        for g in self.groups:
-            args = dict(req_pool_indices=rpi, prefix_lens=pre, extend_lens=ext, expected=exp, swa=g.swa, **table)
-            verify_args = dict(log=self.log, tag=g.tag_verify, real_kv=g.sources, real_kv_mode=g.mode,
-                               check_tokens=exp is not None, sample=g.sampler)
-            groups.append((g, args, verify_args, (rpi, pre, ext, args.get("req_to_token"), args.get("block_table"),
-                                                  args.get("page_size"), g.swa, exp, self.log, g.tag_verify,
-                                                  g.sources, g.mode, exp is not None, g.sampler)))
-        return BeforeStep(bs=bs, objs=(req_pool_indices, prefix_lens, extend_lens), valid_lens=valid_lens,
-                          check_tokens=exp is not None, groups=tuple(groups))
-
-    def _fill_valid_lens(self, step: BeforeStep, ptr) -> None:
-        """The bound expected-token table's valid lengths for this step: the given ones, else
-        ``prefix_lens + extend_lens``."""
-        a, b, out = step.valid_lens
-        with runtime.on_stream(self.device, ptr):
-            if b is None:
-                self.xp.copyto(out, a, casting="same_kind")
-            else:
-                self.xp.add(a, b, out=out)
-
-    def _expected_bound(self) -> ExpectedTokens:
-        """The expected-token table with the bound ``expected_valid_lens`` buffer, made once per
-        binding (the same object every step, so the plan's prepared launch is reused)."""
-        if self._expected_with_bound is None:
-            self._expected_with_bound = ExpectedTokens(self.expected_table, self._inputs.bound("expected_valid_lens"),
-                                                       self.token_offset)
-        return self._expected_with_bound
-
-    def _forget_steps(self) -> None:
-        """Drop the prepared steps (what they hold was replaced)."""
-        self._before_steps.clear()
-        self._after_steps.clear()
-        self._expected_with_bound = None
 
     @guarded
     def abort_step(self) -> None:
@@ -803,8 +623,8 @@ class KvCanary:
             return
         # Every argument of every group is imported and checked before the first launch, so a
         # misuse raises with no record changed (the step stays open: fix the call and repeat it).
-        step = self._prepared_after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                                    expected_input_ids, expected_positions)
+        step = self._layout.after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
+                                  expected_input_ids, expected_positions)
         ptr = self._inputs.stream(stream, step.objs) if stream is not None or step.given else ptr0
         self._close_step()
         if step.launches is not None:
@@ -820,7 +640,7 @@ class KvCanary:
             self._write_step(step, ptr)
         if self.verify_after:
             for i, g in enumerate(self.groups):
-                if g is self.main and self._after_rows is not None:
+                if g is self.main and self.window is not None:
                     self._plan_left_window(g, before.groups[i][1], before.bs, ptr)
                 ops.verify(g.canary, g.vp, log=self.log, tag=g.tag_after, real_kv=g.sources,
                            real_kv_mode=g.mode, check_tokens=checked_tokens, sample=g.sampler, stream=ptr)
@@ -830,31 +650,13 @@ class KvCanary:
     def _plan_left_window(self, g, args: dict, bs: int, ptr) -> None:
         """Plan, into ``g``'s verify plan, the window the step leaves: each row's prefix grown by
         what the step wrote, nothing to write (see ``verify_after``)."""
-        rows = self._after_views.get(bs)
-        if rows is None:  # the same views every step of a batch size: the plan's prepared call is reused
-            rows = self._after_views[bs] = (self._after_rows[0][:bs], self._after_rows[1][:bs])
-        ends, none = rows
+        ends, none = self._layout.window_rows(bs)
         with runtime.on_stream(self.device, ptr):
             self.xp.add(args["prefix_lens"][:bs], args["extend_lens"][:bs], out=ends)
         repair = self._cpu and self.grow_on_overflow and g.may_overflow
         grown = g.plan_verify_only(dict(args, prefix_lens=ends, extend_lens=none), repair=repair, stream=ptr)
         if grown is not None:
             self._reporter.repaired(g.name, *grown)
-
-    def _prepared_after(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                        expected_input_ids, expected_positions) -> AfterStep:
-        """The step's write arguments: prepared once per ``num_tokens`` for bound buffers."""
-        if (input_ids is None and positions is None and out_cache_loc is None and swa_out_cache_loc is None
-                and expected_input_ids is None and expected_positions is None
-                and (num_tokens is None or type(num_tokens) is int)):
-            step = self._after_steps.get(num_tokens)
-            if step is None:
-                step = self._after_step(None, None, None, num_tokens, None, None, None)
-                step.kept = True
-                self._after_steps.put(num_tokens, step)
-            return step
-        return self._after_step(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                                expected_input_ids, expected_positions)
 
     def _write_step(self, step: AfterStep, ptr, skip=(), stream=None) -> None:
         """Each group's write (but the groups in ``skip``), the agreement's digest in the last;
@@ -873,32 +675,6 @@ class KvCanary:
             ops.write(g.canary, g.wp, input_ids=ids, positions=pos, out_cache_loc=swa_loc if loc is None else loc,
                       log=log, tag=tag, real_kv=srcs, real_kv_mode=mode, expected_inputs=exp_in,
                       digest=digest if i == last else None, stream=s)
-
-    def _after_step(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc, expected_input_ids,
-                    expected_positions) -> AfterStep:
-        """Import and check a step's write arguments (the bound buffers where None) and lay out the ops'."""
-        if num_tokens is not None:
-            num_tokens = scalars.check_int(num_tokens, "num_tokens", minimum=0)
-        arg = self._inputs.arg
-        ids = arg(input_ids, "input_ids", num_tokens)
-        pos = arg(positions, "positions", num_tokens)
-        loc = arg(out_cache_loc, "out_cache_loc", num_tokens)
-        exp_in = None
-        if expected_input_ids is not None or expected_positions is not None:
-            exp_in = (None if expected_input_ids is None else arg(expected_input_ids, "expected_input_ids", None),
-                      None if expected_positions is None else arg(expected_positions, "expected_positions", None))
-        translate, groups = False, []
-        for g in self.groups:
-            gloc = loc
-            if g is self.swa:
-                if swa_out_cache_loc is not None or "swa_out_cache_loc" in self._inputs:
-                    gloc = arg(swa_out_cache_loc, "swa_out_cache_loc", int(loc.shape[0]))
-                else:
-                    gloc, translate = None, True
-            groups.append((g, gloc, (self.log, g.tag_write, g.sources, g.mode, exp_in)))
-        given = [ids, pos, loc, *(gl for _, gl, _ in groups if gl is not None), *(exp_in or ())]
-        return AfterStep(objs=(input_ids, positions, out_cache_loc), ids=ids, pos=pos, loc=loc, translate=translate,
-                         groups=tuple(groups), tokens=min(int(a.shape[0]) for a in given if a is not None))
 
     # ------------------------------------------------------------------ graphs
     @guarded

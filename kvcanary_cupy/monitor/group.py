@@ -149,6 +149,13 @@ class Group:
         """Refuse sources that are not on the device or do not cover the pool."""
         ops.check_sources(self.sources, self.mode, self.device, self.canary.num_slots)
 
+    def replace_sources(self, real_kv, name: str) -> None:
+        """Fingerprint ``real_kv`` (:class:`RealKvSource` s, ``name`` in errors) from now on,
+        refused like :meth:`check_sources` refuses."""
+        srcs = ops.source_tuple(real_kv, name)
+        ops.check_sources(srcs, self.mode, self.device, self.canary.num_slots)
+        self.sources = srcs
+
     def grow(self, requested: int) -> int:
         """Reallocate the entry arrays for at least ``requested`` entries; returns the new capacity."""
         # Double past the request so a growing batch does not overflow again on the next step.
