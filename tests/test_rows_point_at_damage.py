@@ -9,24 +9,14 @@ past the kernels' small route.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import FailReason as F
-from tests.test_trust_layout import PAD_ROWS, PATHS, Step
+# The three step paths and the two routes (small, padded past the small route) as there.
+from tests.test_trust_layout import Step, pad, path  # noqa: F401  (fixtures)
 from tests.workloads import host
 
 M64 = (1 << 64) - 1
-
-
-@pytest.fixture(params=PATHS)
-def path(request):
-    return request.param
-
-
-@pytest.fixture(params=[0, PAD_ROWS], ids=["small", "padded"])
-def pad(request):
-    return request.param
 
 
 def test_a_chain_row_names_the_predecessor_and_the_position_it_holds(xp, device, path, pad):
