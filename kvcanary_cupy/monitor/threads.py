@@ -24,19 +24,26 @@ def guarded(fn, name: str | None = None):
     def call(self, *args, **kwargs):
         guard = self._guard
         me = threading.get_ident()
-        if not guard.lock.acquire(False):  # another thread is inside a call (this one's re-enter)
+        # The thread whose step is open waits for the lock: while its step is open, any other
+        # thread holding it is being refused and lets go at once. (Only this thread sets or
+        # clears step_thread to itself, so it may read it without the lock.) Any other thread
+        # that finds the lock held is refused (this one's own calls re-enter the RLock).
+        if not guard.lock.acquire(guard.step_thread == me):
             guard.refuse(name, me)
         try:
             # Read under the lock: a step opens and closes inside guarded calls only.
             if guard.step_thread is not None and guard.step_thread != me:
                 guard.refuse(name, me)
-            if guard.depth == 0:
+            outer = guard.depth == 0
+            if outer:
                 guard.inside, guard.inside_call = me, name
             guard.depth += 1
             try:
                 return fn(self, *args, **kwargs)
             finally:
                 guard.depth -= 1
+                if outer:
+                    guard.inside = guard.inside_call = None
         finally:
             guard.lock.release()
     return call
@@ -59,9 +66,11 @@ class CallGuard:
                                f"thread {thread_name(owner)} opened (before_forward) is open on this monitor; a "
                                f"step belongs to the thread that opened it: call the monitor from that thread, "
                                f"or after its after_forward() / abort_step()")
-        raise RuntimeError(f"kvcanary: {name}: called from thread {thread_name(me)} while thread "
-                           f"{thread_name(self.inside)} is inside {self.inside_call}() on this monitor; a "
-                           f"monitor takes one call at a time: serialize the threads' calls (one lock "
+        inside, call = self.inside, self.inside_call  # None: the holder is only entering (or being refused)
+        where = (f"thread {thread_name(inside)} is inside {call}()" if inside is not None
+                 else "another thread is entering a call")
+        raise RuntimeError(f"kvcanary: {name}: called from thread {thread_name(me)} while {where} on this "
+                           f"monitor; a monitor takes one call at a time: serialize the threads' calls (one lock "
                            f"around each step and poll)")
 
 
