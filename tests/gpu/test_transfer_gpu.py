@@ -41,7 +41,8 @@ def round_trip(cp, *, corrupt=False, order=None, torch_records=False):
         mon.before_forward(cp.asarray([1]), cp.asarray([0]), cp.asarray([n]), stream=stream)
     pool.write(np.array(HOME), np.array(TOKENS), np.arange(n))
     cp.cuda.Device().synchronize()
-    mon.after_forward(cp.asarray(TOKENS), cp.arange(n), cp.asarray(HOME), stream=stream)
+    with stream:  # the step's inputs are copied on the monitor's stream: ordered before its launches
+        mon.after_forward(cp.asarray(TOKENS), cp.arange(n), cp.asarray(HOME), stream=stream)
 
     # Offload: records and K/V bytes to the host.
     rec_dev = mon.export_slots(np.array(HOME), stream=stream)
@@ -68,11 +69,12 @@ def round_trip(cp, *, corrupt=False, order=None, torch_records=False):
         cp.cuda.Device().synchronize()
     table_h[1, :n] = BACK
     table_h[1, n] = 120
-    table.set(table_h)
-    mon.import_slots(np.array(land), records, stream=stream)
-    mon.before_forward(cp.asarray([1]), cp.asarray([n]), cp.asarray([1]), request_ids=["req"], stream=stream)
-    mon.after_forward(cp.asarray([511]), cp.asarray([n]), cp.asarray([120]), stream=stream)
-    found = mon.poll(stream=stream)
+    with stream:  # the table and the step's inputs too
+        table.set(table_h)
+        mon.import_slots(np.array(land), records, stream=stream)
+        mon.before_forward(cp.asarray([1]), cp.asarray([n]), cp.asarray([1]), request_ids=["req"], stream=stream)
+        mon.after_forward(cp.asarray([511]), cp.asarray([n]), cp.asarray([120]), stream=stream)
+        found = mon.poll(stream=stream)
     stream.synchronize()
     return found + mon.poll(stream=stream), mon
 
