@@ -719,15 +719,18 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
     // it below (the verdicts of a step with unreadable rows, the digest's scalars): a clean
     // small step's last block waits for nothing.
     if ((small && s_invalid != 0) || (kVerify && c->digest != nullptr)) __threadfence();
-    __shared__ i64 s_first_error;
+    // The first live row that could not be planned (uniform over the block; -1: none). A clean
+    // step's last block adds no barrier for it.
+    i64 first_error = -1;
     if (small) {
-        const i64 first = small_finish<kVerify>(a, c, s_small, s_invalid, sh);
-        if (threadIdx.x == 0) s_first_error = first;
-    } else if (threadIdx.x == 0) {
-        s_first_error = s_invalid != 0 ? a.bs - (i64)atomicExch((u64*)(sync + SYNC_FIRST_ERROR), 0ULL) : -1;
+        first_error = small_finish<kVerify>(a, c, s_small, s_invalid, sh);
+    } else if (s_invalid != 0) {  // rare
+        __shared__ i64 s_first_error;
+        if (threadIdx.x == 0) s_first_error = a.bs - (i64)atomicExch((u64*)(sync + SYNC_FIRST_ERROR), 0ULL);
+        __syncthreads();
+        first_error = s_first_error;
     }
-    __syncthreads();
-    describe_input_error(a, s_first_error);
+    describe_input_error(a, first_error);
     if (threadIdx.x == 0) {
         sync[SYNC_ROWS_CLAIMED] = 0;
         sync[SYNC_ROWS_DONE] = 0;
