@@ -29,7 +29,8 @@ skip=(--deselect "tests/test_ops_memo.py::test_calls_go_with_their_canary[cupy]"
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/gpu/test_*.py tests/test_*.py)
 # Files run SANITIZER_JOBS at a time (default 4): memcheck is bound by the host's cores, and
-# each file's run is a process of its own. Each file's line is printed in the given order.
+# each file's run is a process of its own. Each file's line is printed as its run ends, so
+# a stage cut short by a time limit still shows the files it finished.
 jobs=${SANITIZER_JOBS:-4}
 logs=$(mktemp -d)
 one() {  # one FILE LOG: the file under memcheck; LOG gets its summary line (and its tail on failure)
@@ -45,6 +46,7 @@ one() {  # one FILE LOG: the file under memcheck; LOG gets its summary line (and
         tail -n 40 <<<"$out" >>"$log"
         echo bad >"$log.bad"
     fi
+    cat "$log"
 }
 i=0
 for f in "${files[@]}"; do
@@ -54,7 +56,6 @@ for f in "${files[@]}"; do
     i=$((i + 1))
 done
 wait
-cat "$logs"/*.log 2>/dev/null
 bad=$(ls "$logs"/*.bad 2>/dev/null | wc -l)
 rm -rf "$logs"
 exit "$bad"
