@@ -34,13 +34,13 @@ files=("$@")
 jobs=${SANITIZER_JOBS:-4}
 logs=$(mktemp -d)
 one() {  # one FILE LOG: the file under memcheck; LOG gets its summary line (and its tail on failure)
-    local f=$1 log=$2 out rc summary result
+    local f=$1 log=$2 out rc summary result t0=$SECONDS
     out=$(timeout "${SANITIZER_FILE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 99 \
         python3 -m pytest -q -p no:cacheprovider -m gpu "${skip[@]}" "$f" 2>&1)
     rc=$?
     summary=$(grep -E "ERROR SUMMARY" <<<"$out" | tail -n 1)
     result=$(grep -E "passed|failed|no tests ran|deselected" <<<"$out" | tail -n 1)
-    echo "$f: rc=$rc | ${result:-?} | ${summary:-no summary}" >"$log"
+    echo "$f: rc=$rc in $((SECONDS - t0)) s | ${result:-?} | ${summary:-no summary}" >"$log"
     # rc 5: pytest collected no GPU test in this file.
     if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then
         tail -n 40 <<<"$out" >>"$log"
@@ -56,6 +56,7 @@ for f in "${files[@]}"; do
     i=$((i + 1))
 done
 wait
+echo "sanitizer: $i files in $SECONDS s, $jobs at a time"
 bad=$(ls "$logs"/*.bad 2>/dev/null | wc -l)
 rm -rf "$logs"
 exit "$bad"
