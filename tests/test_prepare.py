@@ -158,6 +158,9 @@ def test_a_prepared_op_launched_on_a_capturing_stream_is_captured():
     stamp = kc.prepare(kc.write, canary, wp, input_ids=cp.asarray([7, 8]), positions=cp.asarray([0, 1]),
                        out_cache_loc=loc, log=log, tag=kc.LaunchTag.WRITE)
     s = cp.cuda.Stream(non_blocking=True)
+    # The plan and the inputs above were made on the current stream, which a non-blocking
+    # stream does not wait for.
+    cp.cuda.get_current_stream().synchronize()
     stamp(s)  # eager, on s
     s.synchronize()
     assert host(canary.records)[16:18, 0].tolist() == [7, 8]

@@ -245,6 +245,9 @@ def test_graph_capture_and_replay(cp):
     s = cp.cuda.Stream(non_blocking=True)
     static = {k: cp.asarray(v) for k, v in data(0).items()}
     dtable = cp.asarray(table)
+    # The prefill and the copies above ran on the current stream, which a non-blocking stream
+    # does not wait for.
+    cp.cuda.get_current_stream().synchronize()
     with s:
         g.step(dtable, static["rpi"], static["pre"], static["ext"], static["ids"], static["pos"], static["loc"],
                fused=True)  # warm-up: compiles and prepares outside the capture
