@@ -15,8 +15,11 @@ still being filled): the engine names those rows ``deferred``; they are checked 
 stamped after the other rows' stamps, still before the step ends, so the same step's
 writes count as truth and every row's chain continues from stamped records.
 
-Arrays stay where the engine keeps them (:mod:`.step_arrays`): NumPy on the CPU, torch
-on CUDA.
+Arrays stay where the engine keeps them: NumPy views on the CPU; on CUDA the block table
+and slot mapping stay on the device (copied there into the canary's buffers), while the
+per-row lengths, rows, tokens and positions, which the engine also has on the host, are
+staged in pinned memory and travel in one launch with the expected tokens' changes
+(:mod:`.staging`), so a step costs a handful of launches and never waits for the device.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ import dataclasses
 
 import numpy as np
 
-from .step_arrays import ops_for
+from .staging import ChangeUpload, StepArrays, TokenStaging
+from .step_arrays import ops_for, positions
 from .tables import ExpectedTable
 
 
@@ -48,8 +52,10 @@ class AttentionStep:
         slot_mapping: int64 ``[>= T]``: the slot each of the step's ``T`` tokens is written to.
         tokens: host ints ``[T]``: the step's token ids, row after row.
         deferred: host bools ``[n]`` or None: rows that read slots another row writes this step.
-        host_seq_lens: host ints ``[n]``: ``seq_lens`` on the host (needed when the arrays
-            live on a GPU, so the step never waits for the device).
+        host_seq_lens, host_query_start_loc: host ints ``[n]`` and ``[n + 1]``: ``seq_lens`` and
+            ``query_start_loc`` as the host has them (on a GPU, a step given both never waits
+            for the device; a step given neither reads them back once).
+        stream: the raw CUDA stream the forward runs on (None: PyTorch's current stream).
     """
 
     rows: list
@@ -63,6 +69,8 @@ class AttentionStep:
     tokens: list
     deferred: list | None = None
     host_seq_lens: list | None = None
+    host_query_start_loc: list | None = None
+    stream: int | None = None
 
 
 class BlockTableCanary:
@@ -109,7 +117,9 @@ class BlockTableCanary:
         self.block_size = int(block_size)
         self.num_slots = int(num_blocks) * self.block_size
         self.table = self.ops.zeros((int(rows), int(width)), np.int32)
-        self.valid = self.ops.zeros((int(max_batch),), np.int64)
+        self.staged = None if self.ops.cpu else StepArrays(max_batch=int(max_batch), loc_groups=0, device=device)
+        self.valid = self.ops.zeros((int(max_batch),), np.int64) if self.staged is None \
+            else self.staged.device_view("valid")
         self.expected = ExpectedTable(int(rows), 256, device, self.valid)
         self.fingerprints = fingerprints
         opts = dict(options or {})
@@ -123,14 +133,13 @@ class BlockTableCanary:
         # The step's rows and tokens go into buffers bound once: a step of a batch size seen
         # before then reuses the monitor's prepared op calls (no validation, no imports).
         self.max_tokens = max(1, int(max_tokens))
-        self._rows = {k: self.ops.zeros((int(max_batch),)) for k in ("rows", "prefix", "extend")}
+        if self.staged is None:
+            self._rows = {k: self.ops.zeros((int(max_batch),)) for k in ("rows", "prefix", "extend")}
+        else:
+            self._rows = {k: self.staged.device_view(k) for k in ("rows", "prefix", "extend")}
         self._bind_tokens(self.max_tokens)
-        self.upload = None
-        if not self.ops.cpu:
-            from .staging import ChangeUpload  # noqa: PLC0415
-
-            self.upload = ChangeUpload(device)
-        self._step = None  # (step, prefix, extend, now, deferred) between check_reads and stamp_writes
+        self.upload = None if self.staged is None else ChangeUpload(device, self.staged)
+        self._step = None  # (step, prefix, extend, now, later, stream) between check_reads and stamp_writes
         self.open = False  # whether the monitor has a step open
         self.aborted = 0
         self.deferred_rows = 0
@@ -138,6 +147,8 @@ class BlockTableCanary:
 
     def _bind_tokens(self, n: int) -> None:
         self._tokens = {k: self.ops.zeros((n,)) for k in ("ids", "pos", "loc")}
+        if self.staged is not None:  # the step's token ids and positions, written on the host
+            self._pinned_tokens = TokenStaging(n, self.device)
         self.max_tokens = n
         self.monitor.bind_inputs(req_pool_indices=self._rows["rows"], prefix_lens=self._rows["prefix"],
                                  extend_lens=self._rows["extend"], input_ids=self._tokens["ids"],
@@ -149,75 +160,121 @@ class BlockTableCanary:
         wait for :meth:`stamp_writes`). Returns the monitor's new violation rows."""
         if self.open:  # the previous forward never reached its stamp: close that step unstamped
             self.abort()
-        ops, n = self.ops, len(step.rows)
+        n = len(step.rows)
         if n == 0:
             self._step = None
             return []
-        ops.put_rows(self.table, step.rows, step.block_table)
-        prefix, extend = ops.lengths(step.seq_lens, step.query_start_loc, n)
-        if ops.cpu:
-            self.slots_read += int(prefix.sum())
-        ends = step.host_seq_lens if step.host_seq_lens is not None else prefix + extend
-        ends = np.asarray(ends, dtype=np.int64) if ops.cpu else list(map(int, ends))
-        self.expected.reserve(int(max(ends)), None)
-        self.expected.fill(step.rows, step.states, ends, step.fresh)
-        if self.upload is not None:
-            self.upload.flush([self.expected.table])
+        ptr = self._stream(step)
+        prefix, extend = self._lengths(step, n)
+        self.slots_read += int(prefix.sum())
+        rows = np.asarray(step.rows, dtype=np.int64)
         deferred = np.zeros(n, dtype=bool) if step.deferred is None else np.asarray(step.deferred, dtype=bool)
-        now = np.flatnonzero(~deferred)
-        self.deferred_rows += int(n - now.size)
-        self._step = (step, prefix, extend, now, np.flatnonzero(deferred))
+        now, later = np.flatnonzero(~deferred), np.flatnonzero(deferred)
+        self.deferred_rows += int(later.size)
+        ends = prefix + extend
+        self.expected.reserve(int(ends.max()), None)
+        self.expected.fill(rows, step.states, ends, step.fresh)
+        self._stage_rows(rows, prefix, extend, now, ptr)  # on CUDA, with the expected tokens' changes
+        if self.staged is not None and now.size == n:  # the staged rows index the canary's table
+            self.table[:, :step.block_table.shape[1]].index_copy_(0, self._rows["rows"][:n],
+                                                                   step.block_table[:n].to(self.table.dtype))
+        else:
+            self.ops.put_rows(self.table, step.rows, step.block_table)
+        self._step = (step, prefix, extend, now, later, ptr)
         if now.size:
-            self._before(step, prefix, extend, now)
-        return self.poll()
+            self._before(step, now, ptr)
+        return self.monitor.poll(stream=ptr)
 
     def stamp_writes(self, step: AttentionStep | None = None) -> list:
         """After the forward: stamp every slot the step wrote; check and stamp deferred rows.
         Returns the monitor's new violation rows."""
         if self._step is None:
             return []
-        step, prefix, extend, now, later = self._step
+        step, prefix, extend, now, later, ptr = self._step
         self._step = None
-        ops = self.ops
         total = len(step.tokens)
-        slots = ops.arr(step.slot_mapping[:total])
-        ids = ops.from_host(step.tokens)
-        pos = ops.positions(prefix, extend, total)
-        if self.fingerprints is not None:
-            self.fingerprints.gather_slots(slots if ops.cpu else None)
+        ids = np.asarray(step.tokens, dtype=np.int64)
+        pos = positions(prefix, extend, total)
+        if self.fingerprints is not None and self.ops.cpu:
+            self.fingerprints.gather_slots(self.ops.arr(step.slot_mapping[:total]))
         if now.size:
-            self._after(now, later, extend, ids, pos, slots)
+            self._after(step, extend, now, later, ids, pos, ptr)
         if later.size:
-            self._before(step, prefix, extend, later)
-            self._after(later, now, extend, ids, pos, slots)
-        return self.poll()
+            self._stage_rows(np.asarray(step.rows, dtype=np.int64), prefix, extend, later, ptr)
+            self._before(step, later, ptr)
+            self._after(step, extend, later, now, ids, pos, ptr)
+        return self.monitor.poll(stream=ptr)
 
-    def _before(self, step: AttentionStep, prefix, extend, idx: np.ndarray) -> None:
-        ops, k, b = self.ops, idx.size, self._rows
-        b["rows"][:k] = ops.from_host(np.asarray(step.rows, dtype=np.int64)[idx])
-        b["prefix"][:k] = ops.select(prefix, idx)
-        b["extend"][:k] = ops.select(extend, idx)
-        self.valid[:k] = b["prefix"][:k] + b["extend"][:k]
-        if self.fingerprints is not None and ops.cpu:
+    def _lengths(self, step: AttentionStep, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(prefix, extend)``, host int64 ``[n]``: each row's cached tokens read and new tokens written."""
+        if self.ops.cpu:
+            return self.ops.lengths(step.seq_lens, step.query_start_loc, n)
+        seq, qsl = step.host_seq_lens, step.host_query_start_loc
+        if seq is None or qsl is None:  # not given: read back once (the host waits for the device)
+            import torch  # noqa: PLC0415
+
+            both = torch.cat([step.seq_lens[:n].to(torch.int64), step.query_start_loc[:n + 1].to(torch.int64)])
+            both = both.cpu().numpy()
+            seq, qsl = both[:n], both[n:]
+        extend = np.diff(np.asarray(qsl, dtype=np.int64)[:n + 1])
+        return np.asarray(seq, dtype=np.int64)[:n] - extend, extend
+
+    def _stage_rows(self, rows: np.ndarray, prefix: np.ndarray, extend: np.ndarray, idx: np.ndarray, ptr) -> None:
+        """The monitor's bound rows for batch rows ``idx``; on CUDA one launch carries them and the
+        expected tokens' pending changes."""
+        r, p, e = rows[idx], prefix[idx], extend[idx]
+        if self.staged is None:
+            k, b = idx.size, self._rows
+            b["rows"][:k], b["prefix"][:k], b["extend"][:k] = r, p, e
+            self.valid[:k] = p + e
+            return
+        self.upload.wait_reusable()
+        self.staged.set_batch(r, p, e, p + e)
+        self.upload.flush([self.expected.table], stream=ptr)
+
+    def _before(self, step: AttentionStep, idx: np.ndarray, ptr) -> None:
+        k, b = idx.size, self._rows
+        if self.fingerprints is not None and self.ops.cpu:
             self.fingerprints.gather_reads(self.table, b["rows"][:k], b["prefix"][:k])
         self.monitor.before_forward(batch_size=k, expected=self.expected.tokens(),
-                                    request_ids=[step.tags[i] for i in idx])
+                                    request_ids=[step.tags[i] for i in idx], stream=ptr)
         self.open = True
 
-    def _after(self, idx: np.ndarray, others: np.ndarray, extend, ids, pos, slots) -> None:
+    def _after(self, step: AttentionStep, extend: np.ndarray, idx: np.ndarray, others: np.ndarray, ids: np.ndarray,
+               pos: np.ndarray, ptr) -> None:
         """Stamp the tokens of rows ``idx`` (all when ``others`` is empty)."""
         self.open = False
+        total = ids.shape[0]
+        keep = None
         if others.size:
-            ext = extend if self.ops.cpu else extend.cpu().numpy()
-            keep = np.flatnonzero(np.repeat(np.isin(np.arange(len(ext)), idx), np.asarray(ext)))
-            sel = self.ops.select
-            ids, pos, slots = sel(ids, keep), sel(pos, keep), sel(slots, keep)
+            keep = np.flatnonzero(np.repeat(np.isin(np.arange(len(extend)), idx), extend))
+            ids, pos = ids[keep], pos[keep]
         m = int(ids.shape[0])
         if m > self.max_tokens:
+            if ptr is not None:  # queued copies and launches may still use the buffers being replaced
+                import cupy  # noqa: PLC0415
+
+                cupy.cuda.runtime.streamSynchronize(ptr)
             self._bind_tokens(max(m, 2 * self.max_tokens))
         t = self._tokens
-        t["ids"][:m], t["pos"][:m], t["loc"][:m] = ids, pos, slots
-        self.monitor.after_forward(num_tokens=m)
+        if self.staged is None:
+            slots = self.ops.arr(step.slot_mapping[:total])
+            t["ids"][:m], t["pos"][:m], t["loc"][:m] = ids, pos, slots if keep is None else slots[keep]
+        else:
+            self._pinned_tokens.copy(ids, pos, t["ids"], t["pos"], ptr)
+            slots = step.slot_mapping[:total] if keep is None else self.ops.select(step.slot_mapping, keep)
+            self.ops.copy_into(t["loc"], slots, ptr)
+        self.monitor.after_forward(num_tokens=m, stream=ptr)
+
+    def _stream(self, step: AttentionStep):
+        """The raw stream of the step's launches (None on the CPU): the step's, else PyTorch's current one."""
+        if self.ops.cpu:
+            return None
+        if step.stream is not None:
+            return int(step.stream)
+        import torch  # noqa: PLC0415
+
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
 
     def abort(self) -> None:
         """Close an open step without stamping (its forward failed)."""

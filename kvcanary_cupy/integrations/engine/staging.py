@@ -256,3 +256,38 @@ class ChangeUpload:
             if change is not None:
                 t.array.view(-1).index_copy_(0, dev[at:end], values[at:end])
             at = end
+
+
+class TokenStaging:
+    """A step's token ids and positions (host values) onto the device buffers a monitor binds.
+
+    The host writes them into pinned memory and two copies on the step's stream carry them;
+    the host writes again only once the previous step's copies are done (an event after
+    them), so a step never waits for the device in the common case. ``n``: tokens at most;
+    ``device``: the CUDA device (``"cuda:N"``).
+    """
+
+    def __init__(self, n: int, device: str):
+        import cupy  # noqa: PLC0415
+
+        self._rt = cupy.cuda.runtime
+        self.n = int(n)
+        self._host = np.frombuffer(cupy.cuda.alloc_pinned_memory(16 * self.n), np.int64, 2 * self.n).reshape(2, self.n)
+        self._address = self._host.ctypes.data
+        with cupy.cuda.Device(int(str(device).split(":")[1])):
+            self._event = cupy.cuda.Event(disable_timing=True)
+        self._in_flight = False
+
+    def copy(self, ids, pos, out_ids, out_pos, stream: int) -> None:
+        """``out_ids[:m], out_pos[:m] = ids, pos`` on raw stream ``stream`` (host int64 ``[m]`` each;
+        contiguous int64 device tensors out)."""
+        m = len(ids)
+        if self._in_flight:
+            self._event.synchronize()
+        self._host[0, :m] = ids
+        self._host[1, :m] = pos
+        rt = self._rt
+        rt.memcpyAsync(out_ids.data_ptr(), self._address, 8 * m, rt.memcpyHostToDevice, stream)
+        rt.memcpyAsync(out_pos.data_ptr(), self._address + 8 * self.n, 8 * m, rt.memcpyHostToDevice, stream)
+        rt.eventRecord(self._event.ptr, stream)
+        self._in_flight = True

@@ -1,9 +1,9 @@
-"""The few array operations a block-table step needs, on NumPy (CPU) or torch (CPU or CUDA).
+"""The few array operations a block-table step needs on the engine's arrays: NumPy (CPU) or torch (CUDA).
 
 The engine's per-step arrays (its block table, lengths and slot mapping) stay where the
 engine keeps them: NumPy views of CPU tensors on the CPU, torch tensors on CUDA, where
 each operation below is one small launch on the current stream and none waits for the
-device (index arrays come from the host, lengths are taken from the host when given).
+device (index arrays come from the host).
 """
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def host_array(a, dtype=np.int64) -> np.ndarray:
     return np.asarray(a).astype(dtype, copy=False)
 
 
+def positions(prefix, extend, total: int) -> np.ndarray:
+    """Each token's position, host int64 ``[total]``: row after row, ``prefix[r] .. prefix[r] + extend[r] - 1``."""
+    starts = np.cumsum(extend) - extend
+    return np.repeat(np.asarray(prefix) - starts, extend) + np.arange(total, dtype=np.int64)
+
+
 class NumpyOps:
     """Step operations over NumPy arrays (the CPU monitor's device)."""
 
@@ -24,9 +30,6 @@ class NumpyOps:
 
     def zeros(self, shape, dtype=np.int64):
         return np.zeros(shape, dtype=dtype)
-
-    def from_host(self, values, dtype=np.int64):
-        return np.asarray(values, dtype=dtype)
 
     def arr(self, a, dtype=np.int64):
         return host_array(a, dtype)
@@ -43,17 +46,9 @@ class NumpyOps:
         ext = np.diff(qsl)
         return seq - ext, ext
 
-    def positions(self, prefix, extend, total: int):
-        """Each token's position: row after row, ``prefix[r] .. prefix[r] + extend[r] - 1``."""
-        starts = np.cumsum(extend) - extend
-        return np.repeat(prefix - starts, extend) + np.arange(total, dtype=np.int64)
-
-    def select(self, a, index):
-        return a[index]
-
 
 class TorchOps:
-    """Step operations over torch tensors on ``device`` (a CUDA device, or "cpu" for tests)."""
+    """Step operations over torch tensors on a CUDA ``device``."""
 
     cpu = False
 
@@ -70,26 +65,25 @@ class TorchOps:
         t = self.torch.as_tensor(np.asarray(values, dtype=dtype))
         return t.to(self.device, non_blocking=True)
 
-    def arr(self, a, dtype=np.int64):
-        return a.to(_torch_dtype(self.torch, dtype))
-
     def put_rows(self, table, rows, block_table) -> None:
         n = len(rows)
         table[self.from_host(rows), :block_table.shape[1]] = block_table[:n].to(table.dtype)
 
-    def lengths(self, seq_lens, query_start_loc, n: int):
-        seq = seq_lens[:n].to(self.torch.int64)
-        qsl = query_start_loc[:n + 1].to(self.torch.int64)
-        ext = qsl[1:] - qsl[:-1]
-        return seq - ext, ext
-
-    def positions(self, prefix, extend, total: int):
-        starts = self.torch.cumsum(extend, 0) - extend
-        return (self.torch.repeat_interleave(prefix - starts, extend, output_size=total)
-                + self.torch.arange(total, device=self.device))
-
     def select(self, a, index):
         return a[self.from_host(index)] if isinstance(index, np.ndarray) else a[index]
+
+    def copy_into(self, out, values, stream: int) -> None:
+        """``out[:len(values)] = values`` on raw stream ``stream``: one device copy when ``values``
+        is contiguous and of ``out``'s dtype (a vLLM slot mapping is int64), else a torch copy."""
+        m = int(values.shape[0])
+        if values.dtype == out.dtype and values.is_contiguous() and values.device == out.device:
+            import cupy  # noqa: PLC0415
+
+            rt = cupy.cuda.runtime
+            rt.memcpyAsync(out.data_ptr(), values.data_ptr(), m * out.element_size(), rt.memcpyDeviceToDevice, stream)
+            return
+        with self.torch.cuda.stream(self.torch.cuda.ExternalStream(stream)):
+            out[:m].copy_(values)
 
 
 def _torch_dtype(torch, dtype):

@@ -7,6 +7,10 @@ row's ``query_start_loc``), which the scheduler's block list of that request giv
 as ``blocks[computed // block_size] * block_size + computed % block_size``, with the
 row's lengths agreeing. A row no request claims alone is left unnamed (counted): its
 violations name no request, and no request's tokens are stamped in its slots.
+
+On a GPU engine the metadata lives on the device: the arrays a name needs come to the host
+through a pinned buffer, the host waiting once for the step's input preparation on its
+stream (which the forward waits for anyway; the KV is not read).
 """
 from __future__ import annotations
 
@@ -16,15 +20,13 @@ from ..engine.step_arrays import host_array
 from .mirror import RequestTokens
 
 
-def match_rows(md, mirror, *, block_size: int) -> tuple[list, int]:
-    """``(states, unmatched)``: the :class:`~.mirror.RequestTokens` of each row of attention
-    metadata ``md`` (``query_start_loc``, ``seq_lens``, ``slot_mapping``), in row order; a row
-    that cannot be named gets a placeholder with no request and no known token."""
-    qsl = host_array(md.query_start_loc)
-    n = len(qsl) - 1
-    seq = host_array(md.seq_lens)[:n].tolist()
+def match_rows(keys, mirror, *, block_size: int) -> tuple[list, int]:
+    """``(states, unmatched)``: the :class:`~.mirror.RequestTokens` of each row of the attention
+    metadata whose :func:`row_keys` are ``keys``, in row order; a row that cannot be named
+    gets a placeholder with no request and no known token."""
+    qsl, seq, first = keys
     ext = np.diff(qsl).tolist()
-    first = host_array(md.slot_mapping)[qsl[:-1]].tolist()
+    seq, first = seq.tolist(), first.tolist()
     by_slot: dict = {}
     for s in mirror.scheduled:
         blocks = s.blocks[0] if s.blocks else ()
@@ -32,8 +34,8 @@ def match_rows(md, mirror, *, block_size: int) -> tuple[list, int]:
         if i < len(blocks):
             by_slot.setdefault(blocks[i] * block_size + s.computed % block_size, []).append(s)
     states, taken = [], {}
-    for r in range(n):
-        pick = [s for s in by_slot.get(first[r], ()) if s.computed + s.scheduled == seq[r] and s.scheduled == ext[r]]
+    for r, key in enumerate(first):
+        pick = [s for s in by_slot.get(key, ()) if s.computed + s.scheduled == seq[r] and s.scheduled == ext[r]]
         s = pick[0] if len(pick) == 1 else None
         if s is not None and id(s) in taken:  # two rows claim one request: neither is named
             states[taken[id(s)]] = _unnamed(seq[taken[id(s)]], ext[taken[id(s)]])
@@ -44,6 +46,71 @@ def match_rows(md, mirror, *, block_size: int) -> tuple[list, int]:
             taken[id(s)] = r
             states.append(s)
     return states, sum(1 for s in states if s.request_id is None)
+
+
+def row_keys(md, stream=None, reader: "RowKeyReader | None" = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(query_start_loc [n + 1], seq_lens [n], first_slot [n])`` of attention metadata ``md``
+    (``query_start_loc``, ``seq_lens``, ``slot_mapping``: NumPy, CPU or CUDA tensors) as host
+    int64: each row's token range, length, and the slot its first new token is written to
+    (-1 for a row with no token in ``slot_mapping``). On CUDA the host waits once for the
+    copies on raw stream ``stream`` (None: PyTorch's current stream), through ``reader``'s
+    pinned buffer when given."""
+    qsl, seq, slots = md.query_start_loc, md.seq_lens, md.slot_mapping
+    if getattr(getattr(qsl, "device", None), "type", "cpu") == "cpu":
+        return _keys(host_array(qsl), host_array(seq), host_array(slots))
+    return (reader or RowKeyReader()).read(qsl, seq, slots, stream)
+
+
+class RowKeyReader:
+    """CUDA metadata to the host: the three arrays copied into one pinned buffer (kept from step
+    to step) on the step's stream, then one wait; any other layout through torch."""
+
+    def __init__(self):
+        self._buf, self._cap = None, 0
+
+    def read(self, qsl, seq, slots, stream=None):
+        import torch  # noqa: PLC0415  (CUDA metadata: torch is the engine's)
+
+        words = {torch.int32: np.int32, torch.int64: np.int64}
+        parts = (slots, qsl, seq)  # the int64 slots first: every part starts aligned
+        if not all(t.dtype in words and t.is_contiguous() and t.dim() == 1 for t in parts):
+            q = qsl.to(torch.int64)
+            n = q.numel() - 1
+            packed = torch.cat([q, seq[:n].to(torch.int64), slots.to(torch.int64)]).cpu().numpy()
+            return _keys(packed[:n + 1], packed[n + 1:2 * n + 1], packed[2 * n + 1:])
+        import cupy  # noqa: PLC0415
+
+        rt = cupy.cuda.runtime
+        n = int(qsl.shape[0]) - 1
+        counts = (int(slots.shape[0]), n + 1, max(n, 0))
+        sizes = [c * t.element_size() for c, t in zip(counts, parts)]
+        need = sum(-(-b // 8) * 8 for b in sizes)
+        if need > self._cap:
+            self._cap = max(need, 2 * self._cap, 4096)
+            self._buf = cupy.cuda.alloc_pinned_memory(self._cap)
+        base = self._buf.ptr
+        ptr = int(stream) if stream is not None else int(torch.cuda.current_stream(qsl.device).cuda_stream)
+        views, at = [], 0
+        for t, c, b in zip(parts, counts, sizes):
+            if b:
+                rt.memcpyAsync(base + at, t.data_ptr(), b, rt.memcpyDeviceToHost, ptr)
+            views.append((at, c, words[t.dtype]))
+            at += -(-b // 8) * 8
+        rt.streamSynchronize(ptr)
+        raw = np.frombuffer(self._buf, np.uint8, self._cap)
+        sm, q, s = (raw[o:o + c * np.dtype(w).itemsize].view(w).astype(np.int64) for o, c, w in views)
+        return _keys(q, s, sm)
+
+
+def _keys(q: np.ndarray, seq: np.ndarray, sm: np.ndarray):
+    """``(q, seq[:n], first)``: each row's first slot from the slot mapping ``sm`` (-1 past its end)."""
+    n = len(q) - 1
+    if len(sm):
+        first = sm[np.clip(q[:-1], 0, len(sm) - 1)]
+        first = np.where(q[:-1] < len(sm), first, -1)
+    else:
+        first = np.full(n, -1, np.int64)
+    return q, seq[:n], first
 
 
 def _unnamed(seq_len: int, extend: int) -> RequestTokens:

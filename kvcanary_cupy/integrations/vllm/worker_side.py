@@ -26,7 +26,7 @@ from ..engine.violations import EngineViolation
 from .config import monitor_options
 from .layout import group_fingerprints
 from .mirror import RequestMirror
-from .rows import deferred_rows, match_rows
+from .rows import RowKeyReader, deferred_rows, match_rows, row_keys
 
 logger = logging.getLogger("kvcanary")
 
@@ -78,6 +78,7 @@ class WorkerSide:
         # prefix-cache hits, and prefills split over several steps.
         self.preempted = self.prefix_hits = self.chunked_prefills = 0
         self._step = None  # (per group AttentionStep) between start_load_kv and wait_for_save
+        self.row_keys = RowKeyReader()
 
     # ------------------------------------------------------------------ setup
     def register(self, kv_caches: dict) -> None:
@@ -131,23 +132,36 @@ class WorkerSide:
                                  "cannot watch it")
             self.steps += 1
             first = md[self.groups[0].layers[0]]
-            states, unmatched = match_rows(first, self.mirror, block_size=self.groups[0].block_size)
+            stream = self._stream(first)
+            keys = row_keys(first, stream, self.row_keys)  # the lengths attention reads, on the host
+            states, unmatched = match_rows(keys, self.mirror, block_size=self.groups[0].block_size)
             self.rows_unmatched += unmatched
             rows, fresh = self.rows.rows_of(states)
+            qsl, seq = keys[0].tolist(), keys[1].tolist()
+            tags, tokens = [s.request_id for s in states], _step_tokens(states)
             steps = []
             for g in self.groups:
                 a = md[g.layers[0]]
                 steps.append(AttentionStep(
-                    rows=list(rows), tags=[s.request_id for s in states], states=states, fresh=list(fresh),
+                    rows=list(rows), tags=tags, states=states, fresh=list(fresh),
                     block_table=a.block_table, seq_lens=a.seq_lens, query_start_loc=a.query_start_loc,
-                    slot_mapping=a.slot_mapping, tokens=_step_tokens(states),
-                    deferred=deferred_rows(states, g.index, g.block_size),
-                    host_seq_lens=[s.computed + s.scheduled for s in states]))
+                    slot_mapping=a.slot_mapping, tokens=tokens, deferred=deferred_rows(states, g.index, g.block_size),
+                    host_seq_lens=seq, host_query_start_loc=qsl, stream=stream))
             self._step = steps
             for g, step in zip(self.groups, steps):
                 self._report(g, g.canary.check_reads(step))
         finally:
             self.host_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _stream(md):
+        """PyTorch's current stream (raw), where the forward runs, for CUDA metadata; else None."""
+        t = md.query_start_loc
+        if getattr(getattr(t, "device", None), "type", "cpu") == "cpu":
+            return None
+        import torch  # noqa: PLC0415
+
+        return int(torch.cuda.current_stream(t.device).cuda_stream)
 
     def after_forward(self) -> None:
         """``wait_for_save``: stamp what the forward wrote, check the deferred rows."""
