@@ -48,7 +48,7 @@ stage contention bash -c 'python3 scripts/gpu_busy.py 600 & busy=$!; sleep 3
 # Every GPU test under memcheck, file by file, SANITIZER_JOBS files at a time.
 stage sanitizer bash scripts/sanitize_gpu_tests.sh
 stage selftest python3 -m kvcanary_cupy selftest --backend cuda --json /tmp/selftest.json
-stage overhead python3 -m bench.monitor_host_overhead
+stage overhead bash -c 'python3 -m bench.monitor_host_overhead && python3 -m bench.vllm_gpu_host'
 stage selfcheck python3 -m bench.selfcheck
 # The harness fills in the table of a copy of bench/README.md; copy it (and bench.json, as
 # bench/results.json) back to bench/ to publish a run.

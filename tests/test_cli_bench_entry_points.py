@@ -36,6 +36,7 @@ ENTRY_POINTS = {
     "bench.tp_agreement_cost": False,
     "bench.transformers_overhead": True,
     "bench.vllm_connector_overhead": False,
+    "bench.vllm_gpu_host": False,
 }
 
 
