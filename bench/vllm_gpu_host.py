@@ -16,10 +16,10 @@ PyTorch with CUDA.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
+
+from bench.connector_runs import run_batches, timed_calls
 
 
 def run(batch: int, context: int, steps: int, device: str = "cuda:0") -> dict:
@@ -34,19 +34,7 @@ def run(batch: int, context: int, steps: int, device: str = "cuda:0") -> dict:
                       num_blocks=batch * width + 2, max_num_seqs=batch, max_num_batched_tokens=batch * context,
                       max_model_len=width * bs, dtype=torch.bfloat16, seed=batch)
     naming = [0.0]
-    originals = {name: getattr(ws, name) for name in ("row_keys", "match_rows")}
-
-    def timed(fn):  # bench only: the row naming's share of the host time
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                naming[0] += time.perf_counter() - t0
-        return wrapper
-    for name, fn in originals.items():
-        setattr(ws, name, timed(fn))
-    try:
+    with timed_calls(ws, ("row_keys", "match_rows"), naming):  # the row naming's share of the host time
         for i in range(batch):
             eng.add(f"r{i}", eng.prompt(context))
         eng.step()  # the prefill
@@ -58,9 +46,6 @@ def run(batch: int, context: int, steps: int, device: str = "cuda:0") -> dict:
             found = eng.step()
             assert not found, found
             rows.append((eng.worker.host_seconds - h0, naming[0] - n0))
-    finally:
-        for name, fn in originals.items():
-            setattr(ws, name, fn)
     warm = rows[4:] or rows  # the first steps of a batch size prepare the monitor's calls
     med = lambda i: statistics.median(r[i] for r in warm) * 1e6  # noqa: E731
     stats = eng.worker.stats()
@@ -87,17 +72,13 @@ def main(argv=None) -> int:
         print(f"kvcanary: bench.vllm_gpu_host: needs CuPy and PyTorch with a CUDA device: {type(e).__name__}: {e}"
               .splitlines()[0], file=sys.stderr)
         return 2
-    results = []
-    for b in (int(x) for x in args.batches.split(",")):
-        r = run(b, args.context, args.steps)
-        results.append(r)
-        print(f"batch {r['batch']:>3} (context {r['context']}): connector host {r['connector_host_us']:7.1f} us per "
-              f"decode step, of which row naming {r['row_naming_us']:6.1f} us; {r['decode_steps']} steps, {r['violations']} violations, "
-              f"{r['slots_checked']} of {r['slots_read']} read slots checked", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+    return run_batches(args.batches, lambda b: run(b, args.context, args.steps), _line, args.json)
+
+
+def _line(r: dict) -> str:
+    return (f"batch {r['batch']:>3} (context {r['context']}): connector host {r['connector_host_us']:7.1f} us per "
+            f"decode step, of which row naming {r['row_naming_us']:6.1f} us; {r['decode_steps']} steps, "
+            f"{r['violations']} violations, {r['slots_checked']} of {r['slots_read']} read slots checked")
 
 
 if __name__ == "__main__":
