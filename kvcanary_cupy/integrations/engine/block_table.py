@@ -55,7 +55,8 @@ class AttentionStep:
         host_seq_lens, host_query_start_loc: host ints ``[n]`` and ``[n + 1]``: ``seq_lens`` and
             ``query_start_loc`` as the host has them (on a GPU, a step given both never waits
             for the device; a step given neither reads them back once).
-        stream: the raw CUDA stream the forward runs on (None: PyTorch's current stream).
+        stream: PyTorch's current stream (raw), where the forward and the step's torch ops run,
+            as the engine resolved it once for the step (None: resolved here).
     """
 
     rows: list

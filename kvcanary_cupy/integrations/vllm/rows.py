@@ -22,7 +22,7 @@ from .mirror import RequestTokens
 
 def match_rows(keys, mirror, *, block_size: int) -> tuple[list, int]:
     """``(states, unmatched)``: the :class:`~.mirror.RequestTokens` of each row of the attention
-    metadata whose :func:`row_keys` are ``keys``, in row order; a row that cannot be named
+    metadata whose :meth:`RowKeyReader.read` keys are ``keys``, in row order; a row that cannot be named
     gets a placeholder with no request and no known token."""
     qsl, seq, first = keys
     ext = np.diff(qsl).tolist()
@@ -48,27 +48,23 @@ def match_rows(keys, mirror, *, block_size: int) -> tuple[list, int]:
     return states, sum(1 for s in states if s.request_id is None)
 
 
-def row_keys(md, stream=None, reader: "RowKeyReader | None" = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(query_start_loc [n + 1], seq_lens [n], first_slot [n])`` of attention metadata ``md``
-    (``query_start_loc``, ``seq_lens``, ``slot_mapping``: NumPy, CPU or CUDA tensors) as host
-    int64: each row's token range, length, and the slot its first new token is written to
-    (-1 for a row with no token in ``slot_mapping``). On CUDA the host waits once for the
-    copies on raw stream ``stream`` (None: PyTorch's current stream), through ``reader``'s
-    pinned buffer when given."""
-    qsl, seq, slots = md.query_start_loc, md.seq_lens, md.slot_mapping
-    if getattr(getattr(qsl, "device", None), "type", "cpu") == "cpu":
-        return _keys(host_array(qsl), host_array(seq), host_array(slots))
-    return (reader or RowKeyReader()).read(qsl, seq, slots, stream)
-
-
 class RowKeyReader:
-    """CUDA metadata to the host: the three arrays copied into one pinned buffer (kept from step
-    to step) on the step's stream, then one wait; any other layout through torch."""
+    """Each step's row keys on the host: ``(query_start_loc [n + 1], seq_lens [n], first_slot [n])``
+    of attention metadata ``md`` (``query_start_loc``, ``seq_lens``, ``slot_mapping``) as int64:
+    each row's token range, length, and the slot its first new token is written to (-1 for a
+    row with no token in ``slot_mapping``). CUDA metadata is copied into one pinned buffer, kept
+    from step to step, on the step's stream, then waited for once; a layout other than
+    contiguous int32 / int64 vectors goes through torch."""
 
     def __init__(self):
         self._buf, self._cap = None, 0
 
-    def read(self, qsl, seq, slots, stream=None):
+    def read(self, md, stream: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The keys of ``md``: NumPy arrays or CPU tensors when ``stream`` is None, else CUDA
+        tensors read on raw stream ``stream``."""
+        qsl, seq, slots = md.query_start_loc, md.seq_lens, md.slot_mapping
+        if stream is None:
+            return _keys(host_array(qsl), host_array(seq), host_array(slots))
         import torch  # noqa: PLC0415  (CUDA metadata: torch is the engine's)
 
         words = {torch.int32: np.int32, torch.int64: np.int64}
@@ -89,14 +85,13 @@ class RowKeyReader:
             self._cap = max(need, 2 * self._cap, 4096)
             self._buf = cupy.cuda.alloc_pinned_memory(self._cap)
         base = self._buf.ptr
-        ptr = int(stream) if stream is not None else int(torch.cuda.current_stream(qsl.device).cuda_stream)
         views, at = [], 0
         for t, c, b in zip(parts, counts, sizes):
             if b:
-                rt.memcpyAsync(base + at, t.data_ptr(), b, rt.memcpyDeviceToHost, ptr)
+                rt.memcpyAsync(base + at, t.data_ptr(), b, rt.memcpyDeviceToHost, stream)
             views.append((at, c, words[t.dtype]))
             at += -(-b // 8) * 8
-        rt.streamSynchronize(ptr)
+        rt.streamSynchronize(stream)
         raw = np.frombuffer(self._buf, np.uint8, self._cap)
         sm, q, s = (raw[o:o + c * np.dtype(w).itemsize].view(w).astype(np.int64) for o, c, w in views)
         return _keys(q, s, sm)

@@ -26,7 +26,7 @@ from ..engine.violations import EngineViolation
 from .config import monitor_options
 from .layout import group_fingerprints
 from .mirror import RequestMirror
-from .rows import RowKeyReader, deferred_rows, match_rows, row_keys
+from .rows import RowKeyReader, deferred_rows, match_rows
 
 logger = logging.getLogger("kvcanary")
 
@@ -133,7 +133,7 @@ class WorkerSide:
             self.steps += 1
             first = md[self.groups[0].layers[0]]
             stream = self._stream(first)
-            keys = row_keys(first, stream, self.row_keys)  # the lengths attention reads, on the host
+            keys = self.row_keys.read(first, stream)  # the lengths attention reads, on the host
             states, unmatched = match_rows(keys, self.mirror, block_size=self.groups[0].block_size)
             self.rows_unmatched += unmatched
             rows, fresh = self.rows.rows_of(states)
