@@ -320,11 +320,13 @@ class HostReader:
             self.queue(ptr)
         return found
 
-    def take(self):
+    def take(self, rows=None):
         """What the queued copy found (waiting for it), or None when none is queued; on the
-        CPU, copies of the arrays now."""
+        CPU, copies of the arrays now (``rows``: per source, a ``(start, stop)`` range to copy,
+        as :meth:`queue` takes; None: all of it)."""
         if is_cpu(self.device):
-            return [np.array(a) for a in self.sources]
+            rows = rows or [None] * len(self.sources)
+            return [np.array(a if r is None else a[r[0]:r[1]]) for a, r in zip(self.sources, rows)]
         if self._staged is None:
             return None
         k, got = self._staged

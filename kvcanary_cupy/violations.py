@@ -304,8 +304,9 @@ class ViolationLog:
         if self._reader is None:
             self._reader = HostReader(self.device, [self.head, self.ring])
         if isinstance(self.ring, np.ndarray):
-            head, ring = self._reader.take()
-            return self.take_copied(int(head[0]), ring, 0)
+            start, stop = self.copy_window()
+            head, ring = self._reader.take(rows=[None, (start, stop)])
+            return self.take_copied(int(head[0]), ring, start)
         staged = self._reader.take()
         out = [] if staged is None else self.take_copied(int(staged[0][0]), staged[1], self._window_start)
         if queue_next:

@@ -682,3 +682,21 @@ def test_no_warning_on_clean_runs(xp, device, chain_kind, verify_after):
         for _ in range(3):
             toy.step([1, 2, 3], [2, 3, 1])
             assert drain(toy.mon, xp) == []
+
+
+def test_poll_hands_out_a_burst_longer_than_its_copy_window_once_in_ring_order(xp, device):
+    # One step reads 300 slots nobody stamped: 300 rows, more than a poll's copy holds.
+    n = 300
+    r2t = xp.asarray(np.arange(2 * 512, dtype=np.int32).reshape(2, 512))
+    mon = kc.KvCanary(num_slots=1024, req_to_token=r2t, max_batch=1, device=device, ring_capacity=1024,
+                      policy=lambda found: None)
+    one = lambda x: xp.asarray(np.array([x]))  # noqa: E731
+    mon.before_forward(one(1), one(n), one(0), request_ids=["a"])
+    found = mon.poll()
+    sync(xp)
+    found += mon.poll()
+    assert len(found) == n and {v.request for v in found} == {"a"}
+    assert sorted(v.slot for v in found) == list(range(512, 512 + n))
+    assert [v.slot for v in found] == [v.slot for v in mon.log.read()]  # ring order, each once
+    sync(xp)
+    assert mon.poll() + mon.poll() == []

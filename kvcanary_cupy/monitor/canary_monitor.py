@@ -856,12 +856,15 @@ class KvCanary:
         ptr = self._inputs.stream(stream)
         # On CUDA the rows and scalars returned now were copied at an earlier poll.
         upto_seq, replay_now = self._requests.stage(now=self._cpu, queue=queue_next)
-        scal = self._reader.take()
-        found = [] if scal is None else self.log._take_copied(int(scal[-2][0]), scal[-1],
-                                                             0 if self._cpu else self._window_start)
+        if self._cpu:  # the ring's rows after those handed out, as a CUDA copy holds them
+            self._window_start, stop = self.log.copy_window()
+            scal = self._reader.take(rows=self._window_rows(stop))
+        else:
+            scal = self._reader.take()
+        found = [] if scal is None else self.log._take_copied(int(scal[-2][0]), scal[-1], self._window_start)
         if queue_next and not self._cpu:
             self._window_start, stop = self.log.copy_window()
-            self._reader.queue(ptr, rows=[None] * (len(self._reader.sources) - 1) + [(self._window_start, stop)])
+            self._reader.queue(ptr, rows=self._window_rows(stop))
         self._keepalive.polled(waited=scal is not None, queued=queue_next)
         out = []
         if scal is not None:
@@ -882,6 +885,10 @@ class KvCanary:
         if found:
             apply_policy(self.policy, found)
         return out
+
+    def _window_rows(self, stop: int) -> list:
+        """The poll's row ranges: every source whole but the ring, rows ``_window_start .. stop``."""
+        return [None] * (len(self._reader.sources) - 1) + [(self._window_start, stop)]
 
     @property
     def incidents(self) -> list:
