@@ -566,7 +566,12 @@ struct WriteStepArgs {
     DigestArgs d;
 };
 
-template <bool kFp, bool kScan>
+// kLong: the launch's inputs may hold rows longer than WARP_ROW_MAX tokens (the scan chain
+// then gives them blocks or tiles). Without it (the host's choice for inputs of at most
+// WARP_ROW_MAX tokens: decode and speculative steps) every row takes the warp route, which
+// walks a row of any length chunk by chunk, and the launch holds none of the long routes'
+// shared memory.
+template <bool kFp, bool kScan, bool kLong>
 __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 2) write_tokens(WriteStepArgs step) {
     const WriteArgs& a = step.w;
     // The write's own blocks: every block but the digest's.
@@ -600,17 +605,25 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 2) write_tokens
     if (threadIdx.x < 2) s_counts[threadIdx.x] = 0;
     // A row is no longer than the inputs, so short inputs (a decode step) have no long rows
     // and no block-wide step.
-    const bool long_rows = kScan && a.avail > WARP_ROW_MAX;
+    constexpr bool kLongScan = kScan && kLong;
+    const bool long_rows = kLongScan && a.avail > WARP_ROW_MAX;
     __shared__ TileRows s_tiles;
     TileLaunch tl;
-    const bool tiled = long_rows && plan_tiles(a, nrows, (i64)blockDim.x * SCAN_ITEMS, s_tiles, tl);
-    if constexpr (kScan) {
+    bool tiled = false;
+    const u64* pow = nullptr;  // MUL_POW in shared memory (scan chain)
+    if constexpr (kLongScan) {
+        tiled = long_rows && plan_tiles(a, nrows, (i64)blockDim.x * SCAN_ITEMS, s_tiles, tl);
         ScanShared& sh = scan_shared();
         for (int k = threadIdx.x; a.avail > WARP_ROW_MAX && k < DEDUPE_SLOTS; k += blockDim.x) {
             sh.keys[k] = EMPTY_KEY;  // the long rows' last-write table
             sh.last[k] = -1;
         }
         if (threadIdx.x < 33) sh.pow[threadIdx.x] = MUL_POW[threadIdx.x];
+        pow = sh.pow;
+    } else if constexpr (kScan) {
+        __shared__ u64 s_pow[33];
+        if (threadIdx.x < 33) s_pow[threadIdx.x] = MUL_POW[threadIdx.x];
+        pow = s_pow;
     }
     __syncthreads();
 
@@ -626,25 +639,29 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 2) write_tokens
         bool is_long = false;
         if (r < nrows && row_ok(a, r, o0, o1, seed, true)) {
             if (!kScan) chain_row<kFp>(a, r, o0, o1, seed, check_pos, written, skipped);
-            else if (o1 - o0 <= WARP_ROW_MAX) scan_row_warp<kFp>(a, r, o0, o1, seed, check_pos, scan_shared().pow,
-                                                                 written, skipped);
+            else if (!kLong || o1 - o0 <= WARP_ROW_MAX) scan_row_warp<kFp>(a, r, o0, o1, seed, check_pos, pow,
+                                                                           written, skipped);
             else is_long = !tiled;  // tiled: write_tiles takes it
         }
-        if (long_rows && !tiled) {  // the round's long rows, one after another, each by the whole block
-            if (lane == 0) s_long[warp] = is_long ? r : -1;
-            __syncthreads();
-            for (unsigned w = 0; w < nwarps; ++w) {
-                const i64 rl = s_long[w];
-                if (rl >= 0) scan_row_block<kFp>(a, rl, a.offsets[rl], a.offsets[rl + 1], a.seeds[rl], check_pos,
-                                                 scan_shared(), written, skipped);
+        if constexpr (kLongScan) {
+            if (long_rows && !tiled) {  // the round's long rows, one after another, each by the whole block
+                if (lane == 0) s_long[warp] = is_long ? r : -1;
+                __syncthreads();
+                for (unsigned w = 0; w < nwarps; ++w) {
+                    const i64 rl = s_long[w];
+                    if (rl >= 0) scan_row_block<kFp>(a, rl, a.offsets[rl], a.offsets[rl + 1], a.seeds[rl],
+                                                     check_pos, scan_shared(), written, skipped);
+                }
+                __syncthreads();  // s_long is written again next round
             }
-            __syncthreads();  // s_long is written again next round
         }
     }
 
-    if (tiled) {
-        write_tiles<kFp>(a, s_tiles, nrows, tl, blocks, check_pos, scan_shared(), written, skipped);
-        finish_tiles(a, tl, blocks);
+    if constexpr (kLongScan) {
+        if (tiled) {
+            write_tiles<kFp>(a, s_tiles, nrows, tl, blocks, check_pos, scan_shared(), written, skipped);
+            finish_tiles(a, tl, blocks);
+        }
     }
 
     if (kFp && nrows > 0) {

@@ -86,8 +86,12 @@ WRITE_TILE_TOKENS = BLOCK * WRITE_SCAN_ITEMS  # a tile: one block step
 WRITE_TILE_MIN = 2 * WRITE_TILE_TOKENS
 
 # The kernel instances, by (real-KV sources given, scan chain).
-WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false>", (False, True): "kvc::write_tokens<false, true>",
-                 (True, False): "kvc::write_tokens<true, false>", (True, True): "kvc::write_tokens<true, true>"}
+WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false, true>",
+                 (False, True): "kvc::write_tokens<false, true, true>",
+                 (True, False): "kvc::write_tokens<true, false, true>", (True, True): "kvc::write_tokens<true, true, true>"}
+# Scan-chain writes whose inputs hold no row longer than WARP_ROW_MAX (by real-KV sources given):
+# every row a warp, none of the long rows' shared memory.
+WRITE_SHORT_KERNELS = {False: "kvc::write_tokens<false, true, false>", True: "kvc::write_tokens<true, true, false>"}
 VERIFY_KERNELS = {(False, False): "kvc::verify_entries<false, false>",
                   (False, True): "kvc::verify_entries<false, true>",
                   (True, False): "kvc::verify_entries<true, false>", (True, True): "kvc::verify_entries<true, true>"}
@@ -449,6 +453,8 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
     # A warp per row for the chain (a scan chain's long rows: a block per row, when the inputs
     # are long enough to hold one); with folds, up to 32 lanes per token fingerprint.
     scan = canary.chain == fmt.CHAIN_SCAN
+    if scan and avail <= WARP_ROW_MAX:
+        fn = _runtime().function("write", WRITE_SHORT_KERNELS[nf > 0], dev)
     per_row = BLOCK if scan and avail > WARP_ROW_MAX else 32
     threads = max(wp.max_batch * per_row, avail * min(nf, 32))
     # Long rows cut into tiles: a block per tile, as many as fit at once (the tiles wait for

@@ -39,14 +39,16 @@ class KernelModule:
 OPTIONS = ("-std=c++17",)
 
 
-def _instances(kernel: str) -> tuple[str, ...]:
+def _instances(kernel: str, more: str = "") -> tuple[str, ...]:
     """``kernel<kFp, kScan>`` for both values of each: with and without real-KV sources,
-    scan or sglang chain."""
-    return tuple(f"{kernel}<{fp}, {scan}>" for fp in ("false", "true") for scan in ("false", "true"))
+    scan or sglang chain (``more``: further template arguments, the same in each)."""
+    return tuple(f"{kernel}<{fp}, {scan}{more}>" for fp in ("false", "true") for scan in ("false", "true"))
 
 MODULES: dict[str, KernelModule] = {
     "plan": KernelModule("plan.cu", OPTIONS, ("kvc::plan_step", *_instances("kvc::plan_verify_step"))),
-    "write": KernelModule("write.cu", OPTIONS, _instances("kvc::write_tokens")),
+    # kLong true; false: the scan chain's writes of inputs with no long row (decode steps).
+    "write": KernelModule("write.cu", OPTIONS, _instances("kvc::write_tokens", ", true")
+                          + ("kvc::write_tokens<false, true, false>", "kvc::write_tokens<true, true, false>")),
     "step": KernelModule("step.cu", OPTIONS, ("kvc::plan_verify_write_step<false>",
                                               "kvc::plan_verify_write_step<true>")),
     "verify": KernelModule("verify.cu", OPTIONS, _instances("kvc::verify_entries")),
