@@ -1,6 +1,6 @@
 // write.cu: stamp records for the tokens a step writes.
 //
-// One kernel, write_tokens<kFp, kScan>, in two phases with no grid-wide barrier
+// One kernel, write_tokens<kFp, kScan, kLong>, in two phases with no grid-wide barrier
 // between them (they write different record fields):
 //   A. the chain: each stored token's id, position and link, by one of the routes
 //      below, row by row (every row's span and seed checked first: row_ok);
@@ -23,7 +23,9 @@
 //     longer rows of any other launch: a block each, block step after block step
 //       (scan_row_block, section "block steps", whose steps the tiles use too).
 // write_tokens, at the end, gives each row its route, then runs phase B and adds the
-// counters.
+// counters. Its kLong = false instances (the host's choice for scan-chain inputs of at most
+// WARP_ROW_MAX tokens) hold only the warp route, and none of the long routes' shared memory
+// and registers (a decode write at bs 1 and 64 is 0.5-0.9 us faster so: bench/README.md).
 #include "kvcanary_common.cuh"
 
 namespace kvc {
