@@ -337,10 +337,11 @@ def make_records(tokens, positions, seed_link=None, fingerprints=None, *, chain:
 
 
 def fold_chunks(words: np.ndarray) -> np.ndarray:
-    """Fold of one source: words is uint64 [n, 2*k] (k 16-byte chunks per slot)."""
-    acc = np.zeros(words.shape[0], dtype=np.uint64)
-    for j in range(words.shape[1]):
-        acc = splitmix64(acc ^ words[:, j])
+    """Fold of one source: words is uint64 ``[..., n, 2*k]`` (k 16-byte chunks per slot), folded
+    along its last axis; returns uint64 ``[..., n]`` (e.g. every layer of a source at once)."""
+    acc = np.zeros(words.shape[:-1], dtype=np.uint64)
+    for j in range(words.shape[-1]):
+        acc = splitmix64(acc ^ words[..., j])
     return acc
 
 

@@ -21,6 +21,7 @@ from ..format import FailReason, RealKvMode
 _I64 = np.int64
 _U64 = np.uint64
 _FP_BLOCK = 1 << 16  # entries fingerprinted per block, to bound temporary memory
+_FP_WORDS = 1 << 22  # K/V words gathered at once (a block's entries, as many layers as fit)
 _PLAN_CHUNK = 1 << 18  # table positions a plan reads per chunk, to bound temporary memory
 _I64_MAX = np.int64(np.iinfo(np.int64).max)
 
@@ -73,10 +74,12 @@ def fingerprints(sources, mode, slots) -> np.ndarray:
         s = slots[lo:lo + _FP_BLOCK]
         acc = np.zeros(s.shape[0], dtype=_U64)
         for src in sources:
-            eff = fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else src.read_bytes
-            for layer in range(src.num_layers):
-                words = src.data[layer].view(_U64).reshape(-1, src.bytes_per_token // 8)
-                acc = fmt.splitmix64(acc ^ fmt.fold_chunks(words[s, : eff // 8]))
+            k = (fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else src.read_bytes) // 8
+            words = src.data.view(_U64).reshape(src.num_layers, -1, src.bytes_per_token // 8)
+            step = max(1, _FP_WORDS // (s.shape[0] * k))
+            for l0 in range(0, src.num_layers, step):  # layers folded together, combined in order
+                for fold in fmt.fold_chunks(words[l0:l0 + step, s, :k]):
+                    acc = fmt.splitmix64(acc ^ fold)
         r[lo:lo + _FP_BLOCK] = acc
     return r
 
