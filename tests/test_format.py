@@ -143,3 +143,15 @@ def test_fold_and_combine():
     assert int(fmt.fold_chunks(words)[0]) == acc
     f1, f2 = np.array([5], np.uint64), np.array([9], np.uint64)
     assert int(fmt.combine_folds([f1, f2])[0]) == splitmix64_int(splitmix64_int(5) ^ 9)
+
+
+def test_fold_chunks_folds_the_last_axis_of_every_layer_alike():
+    layers = np.random.default_rng(3).integers(0, 2**63, (3, 5, 4)).astype(np.uint64)  # [layers, slots, words]
+    got = fmt.fold_chunks(layers)
+    assert got.shape == (3, 5)
+    for i in range(3):
+        for j in range(5):
+            acc = 0
+            for w in layers[i, j]:
+                acc = splitmix64_int(acc ^ int(w))
+            assert int(got[i, j]) == acc
