@@ -89,8 +89,8 @@ WRITE_TILE_MIN = 2 * WRITE_TILE_TOKENS
 WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false, true>",
                  (False, True): "kvc::write_tokens<false, true, true>",
                  (True, False): "kvc::write_tokens<true, false, true>", (True, True): "kvc::write_tokens<true, true, true>"}
-# Scan-chain writes whose inputs hold no row longer than WARP_ROW_MAX (by real-KV sources given):
-# every row a warp, none of the long rows' shared memory.
+# Scan-chain writes whose inputs hold at most WARP_ROW_MAX tokens, so no row can be longer (by
+# real-KV sources given): every row a warp, none of the long rows' shared memory.
 WRITE_SHORT_KERNELS = {False: "kvc::write_tokens<false, true, false>", True: "kvc::write_tokens<true, true, false>"}
 VERIFY_KERNELS = {(False, False): "kvc::verify_entries<false, false>",
                   (False, True): "kvc::verify_entries<false, true>",

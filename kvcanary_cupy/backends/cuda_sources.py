@@ -46,7 +46,7 @@ def _instances(kernel: str, more: str = "") -> tuple[str, ...]:
 
 MODULES: dict[str, KernelModule] = {
     "plan": KernelModule("plan.cu", OPTIONS, ("kvc::plan_step", *_instances("kvc::plan_verify_step"))),
-    # kLong true; false: the scan chain's writes of inputs with no long row (decode steps).
+    # kLong true; false: the scan chain's writes of at most WARP_ROW_MAX input tokens (decode steps).
     "write": KernelModule("write.cu", OPTIONS, _instances("kvc::write_tokens", ", true")
                           + ("kvc::write_tokens<false, true, false>", "kvc::write_tokens<true, true, false>")),
     "step": KernelModule("step.cu", OPTIONS, ("kvc::plan_verify_write_step<false>",
