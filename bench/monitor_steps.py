@@ -48,14 +48,14 @@ class MonitorSetup:
     def step(self, bs: int):
         """A zero-argument decode step of ``bs`` rows."""
         mon, stream = self.monitor, self.stream
-        if mon.stamp_before_forward:
+        if mon.stamp_before_forward:  # a decode step: a token per row, the bound its caller knows
             def step():
-                mon.before_forward(batch_size=bs, num_tokens=bs, stream=stream)
+                mon.before_forward(batch_size=bs, num_tokens=bs, max_row_tokens=1, stream=stream)
                 mon.after_forward()
         else:
             def step():
                 mon.before_forward(batch_size=bs, stream=stream)
-                mon.after_forward(num_tokens=bs, stream=stream)
+                mon.after_forward(num_tokens=bs, max_row_tokens=1, stream=stream)
 
         return step
 

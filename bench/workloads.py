@@ -175,10 +175,10 @@ def op_calls(inst: Instance, canary: CanaryBuffer, log, *, sources=(), mode=Real
         kc.plan_and_verify(inst.vp, inst.wp, canary, **rows, log=log, tag=LaunchTag.VERIFY, real_kv=sources,
                            real_kv_mode=mode, stream=stream)
 
-    def write():
+    def write():  # every row of a case writes case.extend tokens: the bound a caller knows
         kc.write(canary, inst.wp, input_ids=inst.input_ids, positions=inst.positions,
                   out_cache_loc=inst.out_cache_loc, log=log, tag=LaunchTag.WRITE, real_kv=sources,
-                  real_kv_mode=mode, stream=stream)
+                  real_kv_mode=mode, max_row_tokens=inst.case.extend, stream=stream)
 
     return {"plan": plan, "verify": verify, "plan_and_verify": plan_and_verify, "write": write}
 
@@ -192,7 +192,7 @@ def prepared_step(inst: Instance, canary: CanaryBuffer, log, *, sources=(), mode
                    log=log, tag=LaunchTag.VERIFY, real_kv=sources, real_kv_mode=mode, stream=stream),
         kc.prepare(kc.write, canary, inst.wp, input_ids=inst.input_ids, positions=inst.positions,
                    out_cache_loc=inst.out_cache_loc, log=log, tag=LaunchTag.WRITE, real_kv=sources,
-                   real_kv_mode=mode, stream=stream))
+                   real_kv_mode=mode, max_row_tokens=inst.case.extend, stream=stream))
 
     def step():
         for launch in launches:

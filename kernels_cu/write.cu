@@ -269,15 +269,20 @@ __constant__ u64 MUL_POW[33] = {
 };
 
 // Scans a loaded chunk's maps; returns the whole chunk's map (every lane). `pow`:
-// MUL_POW in shared memory (lanes index it at different k).
+// MUL_POW in shared memory (lanes index it at different k). The chunk's tokens in the row
+// are its lanes 0..n-1, so the scan takes only the steps whose distance is below n: a
+// decode row's one token takes none (lanes n and up, outside the row, are left unscanned
+// and never stored), and the whole chunk's map is lane n - 1's.
 __device__ __forceinline__ ChainMap scan_chunk(ScanChunk& c, const u64* pow) {
     const unsigned lane = lane_id();
+    const int n = __popc(__ballot_sync(FULL_MASK, c.in));
     const bool kept = c.s >= 0;
     int k = kept ? 1 : 0, has = k;
     u64 b = kept ? scan_term(c.t, c.p) : 0;
     i64 pos = c.p;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {  // inclusive scan over the lanes: (k, b) after (k', b')
+        if (d >= n) break;  // warp-uniform
         const int bk = __shfl_up_sync(FULL_MASK, k, d), bh = __shfl_up_sync(FULL_MASK, has, d);
         const u64 bb = __shfl_up_sync(FULL_MASK, b, d);
         const i64 bp = __shfl_up_sync(FULL_MASK, pos, d);
@@ -288,12 +293,16 @@ __device__ __forceinline__ ChainMap scan_chunk(ScanChunk& c, const u64* pow) {
             has |= bh;
         }
     }
-    const int ek = __shfl_up_sync(FULL_MASK, k, 1), eh = __shfl_up_sync(FULL_MASK, has, 1);
-    const u64 eb = __shfl_up_sync(FULL_MASK, b, 1);
-    const i64 ep = __shfl_up_sync(FULL_MASK, pos, 1);
-    c.before = lane == 0 ? identity_map() : ChainMap{pow[ek], eb, ep, eh};
-    return ChainMap{pow[__shfl_sync(FULL_MASK, k, 31)], __shfl_sync(FULL_MASK, b, 31),
-                    __shfl_sync(FULL_MASK, pos, 31), __shfl_sync(FULL_MASK, has, 31)};
+    c.before = identity_map();
+    if (n > 1) {
+        const int ek = __shfl_up_sync(FULL_MASK, k, 1), eh = __shfl_up_sync(FULL_MASK, has, 1);
+        const u64 eb = __shfl_up_sync(FULL_MASK, b, 1);
+        const i64 ep = __shfl_up_sync(FULL_MASK, pos, 1);
+        if (lane > 0) c.before = ChainMap{pow[ek], eb, ep, eh};
+    }
+    const unsigned top = n > 0 ? (unsigned)(n - 1) : 0u;
+    return ChainMap{pow[__shfl_sync(FULL_MASK, k, top)], __shfl_sync(FULL_MASK, b, top),
+                    __shfl_sync(FULL_MASK, pos, top), __shfl_sync(FULL_MASK, has, top)};
 }
 
 // The chunk's links from the chain's state before it (x, and the previous stored
@@ -378,13 +387,15 @@ __device__ __forceinline__ void scan_row_warp(const WriteArgs& a, i64 r, i64 o0,
         // orders the chunks, so the row's last write of a slot wins.
         const unsigned same = __match_any_sync(FULL_MASK, store ? c.s : -1 - (i64)lane);
         store_chunk<kFp>(a, c, x, has, pos, check_pos, r, (same & lanes_above(lane)) == 0u, written, skipped);
-        x = apply_map(all, x);
-        if (all.has) {
-            has = 1;
-            pos = all.pos;
+        if (b + 32 < o1) {  // the chain's state after this chunk, for the next one
+            x = apply_map(all, x);
+            if (all.has) {
+                has = 1;
+                pos = all.pos;
+            }
+            __syncwarp();
+            c = next;
         }
-        __syncwarp();
-        if (b + 32 < o1) c = next;
     }
 }
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from . import arrays, runtime
+from . import arrays, runtime, scalars
 from .backends import backend_for
 from .canary import CanaryBuffer, RealKvSource
 from .format import RealKvMode
@@ -313,8 +313,8 @@ def _prepare_plan(args, stream) -> _Call:
 
 def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, out_cache_loc,
           log: ViolationLog, tag: int, real_kv: Sequence[RealKvSource] = (),
-          real_kv_mode: RealKvMode = RealKvMode.NONE, expected_inputs=None, digest=None, stream=None,
-          **extra) -> None:
+          real_kv_mode: RealKvMode = RealKvMode.NONE, expected_inputs=None, digest=None, max_row_tokens=None,
+          stream=None, **extra) -> None:
     """Stamp records for the tokens a step writes, chained from each row's seed.
 
     Args:
@@ -336,6 +336,13 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
             agreement: one launch less per step). It runs concurrently with the write,
             so it may carry nothing and read none of what the write changes (the
             records, the log).
+        max_row_tokens: optional int >= 0, a bound the caller knows on every row's token
+            count (1 for a decode step, the draft length + 1 for a speculative one). The
+            CUDA write then takes its route for short rows even when the step has many
+            tokens in all; a row longer than the bound is stamped all the same, only
+            slower. It is rounded up to a power of two, so calls whose bounds round alike
+            are the same call (prepared once). ``None``: no bound but the step's token
+            count.
         stream: CUDA stream.
 
     No input (the token inputs, the write plan, the sources' bytes) may share memory
@@ -346,11 +353,13 @@ def write(canary: CanaryBuffer, write_plan: WritePlan, *, input_ids, positions, 
     srcs = tuple(real_kv) if isinstance(real_kv, (tuple, list)) else (real_kv,)
     exp = tuple(expected_inputs) if isinstance(expected_inputs, (tuple, list)) else (expected_inputs,)
     objs = (canary, write_plan, input_ids, positions, out_cache_loc, log, *exp, *srcs)
+    max_row_tokens = scalars.bound_key(max_row_tokens)
     key = (id(canary), id(write_plan), _array(input_ids), _array(positions), _array(out_cache_loc), id(log), tag,
-           type(tag), real_kv_mode, type(real_kv_mode), len(exp), *map(_array, exp), *map(id, srcs), id(digest))
+           type(tag), real_kv_mode, type(real_kv_mode), len(exp), *map(_array, exp), *map(id, srcs), id(digest),
+           max_row_tokens, type(max_row_tokens))
     _run(_cache_of(canary, CanaryBuffer), key, (*objs, digest), _prepare_write, (
         canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs,
-        digest), stream)
+        digest, max_row_tokens), stream)
 
 
 def _prepare_write(args, stream) -> _Call:

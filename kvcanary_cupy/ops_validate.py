@@ -248,16 +248,18 @@ def _write_inputs(args):
     """Validate write's arguments: (device, the backend's keyword arguments, the caller's
     arrays, and their imported views and names, in the same order)."""
     (canary, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_mode, expected_inputs,
-     digest) = args
+     digest, max_row_tokens) = args
     device = _canary_device(canary, write_plan=(write_plan, WritePlan), log=(log, ViolationLog))
     tag = scalars.check_tag(tag)
+    if max_row_tokens is not None:
+        max_row_tokens = scalars.check_int(max_row_tokens, "max_row_tokens", minimum=0)
     tokens, given, read = _token_inputs(device, input_ids, positions, out_cache_loc, expected_inputs)
     srcs, mode = check_sources(real_kv, real_kv_mode, device, canary.num_slots)
     arrays.check_apart("write", {"canary.records": canary.records, **_log_arrays(log)},
                        {**_fields("write_plan", write_plan), **read, **_source_arrays(srcs)})
     extra = {} if digest is None else {"digest": _write_digest(digest, device, canary, log)}
-    return (device, dict(**tokens, log=log, tag=tag, sources=srcs, mode=mode, **extra), given,
-            tuple(read.values()), tuple(read))
+    return (device, dict(**tokens, log=log, tag=tag, sources=srcs, mode=mode, max_row_tokens=max_row_tokens,
+                         **extra), given, tuple(read.values()), tuple(read))
 
 
 def _verify_inputs(op: str, args):

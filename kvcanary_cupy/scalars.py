@@ -28,6 +28,16 @@ def check_int(x, name: str, *, minimum: int | None = None, maximum: int = _INT64
     return v
 
 
+def bound_key(x):
+    """A bound on a count (e.g. ``max_row_tokens``) as calls are kept by: a Python int >= 1
+    rounded up to a power of two, which is still a bound and one of few values, so a cache
+    of prepared calls keeps one call for many bounds; anything else as given (it is checked
+    where it is used)."""
+    if type(x) is int and x > 1:
+        return 1 << (x - 1).bit_length()
+    return x
+
+
 def check_flag(x, name: str) -> bool:
     """A switch: ``True`` or ``False`` (a string such as ``'no'`` is truthy, so none is taken)."""
     if not isinstance(x, (bool, np.bool_)):

@@ -12,6 +12,7 @@ import pytest
 import kvcanary_cupy as kc
 from kvcanary_cupy.format import VIOLATION_WORDS
 from kvcanary_cupy import runtime
+from tests.workloads import host
 
 
 def raises(exc, *names):
@@ -243,6 +244,32 @@ def test_tags_are_checked_at_the_call(xp, tag, exc):
     with raises(exc, "tag"):
         kc.write(s.canary, s.wp, log=s.log, tag=tag, **s.inputs)
     assert s.log.count == 0
+
+
+@pytest.mark.parametrize("bound, exc", [(True, TypeError), (1.0, TypeError), ("1", TypeError), (-1, ValueError)])
+def test_a_write_row_bound_is_a_count(xp, bound, exc):
+    s = Step(xp)
+    s.plan()
+    before = host(s.canary.records).copy()
+    with raises(exc, "max_row_tokens"):
+        kc.write(s.canary, s.wp, log=s.log, tag=kc.LaunchTag.WRITE, max_row_tokens=bound, **s.inputs)
+    assert np.array_equal(host(s.canary.records), before) and s.log.count == 0
+
+
+def test_a_write_row_bound_the_rows_break_stamps_the_same_records(xp):
+    # Three tokens in one row under a bound of 1 (and of 0): a route choice, never other bytes.
+    want = None
+    for bound in (None, 1, 0, 3):
+        s = Step(xp)
+        s.canary.records[1:4] = 0
+        s.plan()
+        kc.write(s.canary, s.wp, log=s.log, tag=kc.LaunchTag.WRITE, max_row_tokens=bound, **s.inputs)
+        got = host(s.canary.records).copy()
+        assert s.log.count == 0 and s.log.counters()["slots_written"] == 6  # the Step's own write, then this
+        assert got[1:4, :2].tolist() == [[7, 0], [8, 1], [9, 2]]
+        if want is None:
+            want = got
+        assert np.array_equal(got, want), bound
 
 
 def test_extreme_tags_round_trip(xp):

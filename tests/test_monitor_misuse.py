@@ -81,6 +81,33 @@ def test_a_bound_buffer_shorter_than_the_batch_is_an_error(xp):
         mon.before_forward(batch_size=True)
 
 
+def test_a_row_bound_is_checked_before_anything_is_stamped(xp):
+    mon = monitor(xp)
+    mon.before_forward(a(xp, 1), a(xp, 0), a(xp, 2))
+    for bad, exc in ((1.5, TypeError), (True, TypeError), (-2, ValueError)):
+        with raises(exc, "max_row_tokens"):
+            mon.after_forward(a(xp, 7, 8), a(xp, 0, 1), a(xp, 16, 17), max_row_tokens=bad)
+    assert mon.stats()["slots_written"] == 0  # the step stays open: the call is repeated, fixed
+    mon.after_forward(a(xp, 7, 8), a(xp, 0, 1), a(xp, 16, 17), max_row_tokens=1)  # a row breaks it: same bytes
+    assert mon.stats()["slots_written"] == 2
+    mon.before_forward(a(xp, 1), a(xp, 2), a(xp, 1))
+    mon.after_forward(a(xp, 9), a(xp, 2), a(xp, 18), max_row_tokens=1)
+    assert mon.stats()["slots_checked"] == 2 and mon.log.count == 0
+
+
+def test_a_row_bound_goes_with_the_write_inputs(xp):
+    stamped = monitor(xp, stamp_before_forward=True)
+    stamped.before_forward(a(xp, 1), a(xp, 0), a(xp, 1), input_ids=a(xp, 7), positions=a(xp, 0),
+                           out_cache_loc=a(xp, 16), max_row_tokens=1)
+    with raises(ValueError, "after_forward", "stamp_before_forward"):
+        stamped.after_forward(max_row_tokens=1)
+    stamped.after_forward()
+    plain = monitor(xp)
+    with raises(ValueError, "after_forward"):
+        plain.before_forward(a(xp, 1), a(xp, 0), a(xp, 1), max_row_tokens=1)
+    assert stamped.stats()["slots_written"] == 1 and plain.stats()["steps"] == 0
+
+
 def test_request_ids_must_name_every_row(xp):
     mon = monitor(xp)
     with raises(ValueError, "request_ids", "2"):

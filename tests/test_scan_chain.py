@@ -66,9 +66,14 @@ def scan():
     workloads.CHAIN = saved
 
 
+# A caller's bound on the rows' tokens (max_row_tokens), right, too small or absent: the
+# same records, only the route differs.
+BOUNDS = st.one_of(st.none(), st.integers(0, 2), st.sampled_from([32, 127, 128, 129, 300]), st.integers(0, LONG))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batch=batches(), check_pos=st.booleans())
-def test_scan_write_matches_the_scalar_chain(xp, device, scan, batch, check_pos):
+@given(batch=batches(), check_pos=st.booleans(), bound=BOUNDS)
+def test_scan_write_matches_the_scalar_chain(xp, device, scan, batch, check_pos, bound):
     lengths, seed = batch
     rng = np.random.default_rng(seed)
     bs = len(lengths)
@@ -101,7 +106,7 @@ def test_scan_write_matches_the_scalar_chain(xp, device, scan, batch, check_pos)
     wp.position_check.fill(int(check_pos))
     log = kc.ViolationLog.allocate(capacity=4 * total + 8, device=device)
     kc.write(canary, wp, input_ids=arr(xp, ids), positions=arr(xp, pos), out_cache_loc=arr(xp, loc), log=log,
-             tag=kc.LaunchTag.WRITE)
+             tag=kc.LaunchTag.WRITE, max_row_tokens=bound)
 
     want, bad = oracle(recs, [(int(offsets[r]), int(offsets[r + 1]), int(seeds[r])) for r in range(bs)],
                        ids, pos, loc, check_pos)
@@ -113,7 +118,8 @@ def test_scan_write_matches_the_scalar_chain(xp, device, scan, batch, check_pos)
     assert log.counters()["slots_written"] == int(((loc >= 0) & (loc < N)).sum())
 
 
-def test_a_long_row_links_like_its_closed_form(xp, device, scan):
+@pytest.mark.parametrize("bound", [None, 1])  # 1: a bound the row breaks, the short rows' route
+def test_a_long_row_links_like_its_closed_form(xp, device, scan, bound):
     # One 5000-token row: link k = SCAN_MUL^k SCAN_ANCHOR + sum_{i<k} term_i SCAN_MUL^(k-1-i) mod P61.
     n, P61 = 5000, (1 << 61) - 1
     rng = np.random.default_rng(7)
@@ -124,7 +130,7 @@ def test_a_long_row_links_like_its_closed_form(xp, device, scan):
             req_to_token=arr(xp, np.vstack([np.zeros(n), np.arange(1, n + 1)])))
     log = kc.ViolationLog.allocate(capacity=8, device=device)
     kc.write(canary, wp, input_ids=arr(xp, ids), positions=arr(xp, pos), out_cache_loc=arr(xp, np.arange(1, n + 1)),
-             log=log, tag=kc.LaunchTag.WRITE)
+             log=log, tag=kc.LaunchTag.WRITE, max_row_tokens=bound)
     links = host(canary.records)[1:, 2]
     terms = kc.scan_term(ids, pos)
     x = kc.SCAN_ANCHOR

@@ -89,8 +89,9 @@ WRITE_TILE_MIN = 2 * WRITE_TILE_TOKENS
 WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false, true>",
                  (False, True): "kvc::write_tokens<false, true, true>",
                  (True, False): "kvc::write_tokens<true, false, true>", (True, True): "kvc::write_tokens<true, true, true>"}
-# Scan-chain writes whose inputs hold at most WARP_ROW_MAX tokens, so no row can be longer (by
-# real-KV sources given): every row a warp, none of the long rows' shared memory.
+# Scan-chain writes none of whose rows can be longer than WARP_ROW_MAX tokens (the inputs hold
+# no more, or the caller's max_row_tokens says so), by real-KV sources given: every row a warp,
+# none of the long rows' shared memory.
 WRITE_SHORT_KERNELS = {False: "kvc::write_tokens<false, true, false>", True: "kvc::write_tokens<true, true, false>"}
 VERIFY_KERNELS = {(False, False): "kvc::verify_entries<false, false>",
                   (False, True): "kvc::verify_entries<false, true>",
@@ -444,23 +445,26 @@ def _write_tiles(wp, dev: int, avail: int, stream: int) -> tuple[int, int, int]:
 
 
 def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode, expected_tokens,
-                  expected_positions, digest=None, stream=None) -> _Launch:
+                  expected_positions, max_row_tokens=None, digest=None, stream=None) -> _Launch:
     """See :func:`kvcanary_cupy.ops.write`; views already validated. With ``digest`` (a
     :class:`~kvcanary_cupy.digest.Digest`), one extra block of the launch computes it."""
     stream = _stream(stream)
     fn, dev, nf, v = _canary_fields("write", WRITE_KERNELS, canary, log, tag, sources, mode, stream)
     avail = _write_inputs(v, wp, input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
-    # A warp per row for the chain (a scan chain's long rows: a block per row, when the inputs
-    # are long enough to hold one); with folds, up to 32 lanes per token fingerprint.
+    # A warp per row for the chain (a scan chain's long rows: a block per row, when a row may be
+    # long: the inputs could hold one and the caller gave no bound that rules it out); with
+    # folds, up to 32 lanes per token fingerprint.
     scan = canary.chain == fmt.CHAIN_SCAN
-    if scan and avail <= WARP_ROW_MAX:
+    longest = avail if max_row_tokens is None else min(avail, max_row_tokens)
+    short = scan and longest <= WARP_ROW_MAX
+    if short:
         fn = _runtime().function("write", WRITE_SHORT_KERNELS[nf > 0], dev)
-    per_row = BLOCK if scan and avail > WARP_ROW_MAX else 32
+    per_row = BLOCK if scan and not short else 32
     threads = max(wp.max_batch * per_row, avail * min(nf, 32))
     # Long rows cut into tiles: a block per tile, as many as fit at once (the tiles wait for
     # earlier ones, so the whole grid must be resident; a slot and a token index are 32-bit
     # keys of its hash table).
-    if scan and WRITE_TILE_MIN < avail < 1 << 31 and canary.num_slots < (1 << 32) - 1:
+    if scan and not short and WRITE_TILE_MIN < avail < 1 << 31 and canary.num_slots < (1 << 32) - 1:
         v["tiles"], v["tile_cap"], v["table_cap"] = _write_tiles(wp, dev, avail, stream)
         threads = max(threads, -(-avail // WRITE_TILE_TOKENS) * BLOCK)
     blocks = _blocks(threads, _runtime().resident_blocks(fn, dev))

@@ -562,8 +562,9 @@ def entry_digest(vp, *, out):
            carry=None)
 
 
-def prepare_write(canary, wp, *, stream=None, digest=None, **inputs):
-    """:func:`write` bound to its arguments; with ``digest``, then :func:`digest` of its rows."""
+def prepare_write(canary, wp, *, stream=None, digest=None, max_row_tokens=None, **inputs):
+    """:func:`write` bound to its arguments; with ``digest``, then :func:`digest` of its rows.
+    ``max_row_tokens`` picks a CUDA route; the reference has one."""
     if digest is None:
         return lambda _stream: write(canary, wp, **inputs)
 

@@ -428,7 +428,7 @@ class KvCanary:
     def before_forward(self, req_pool_indices=None, prefix_lens=None, extend_lens=None, *, batch_size=None,
                        expected_valid_lens=None, expected: ExpectedTokens | None = None, request_ids=None,
                        input_ids=None, positions=None, out_cache_loc=None, num_tokens=None, swa_out_cache_loc=None,
-                       expected_input_ids=None, expected_positions=None, stream=None) -> None:
+                       expected_input_ids=None, expected_positions=None, max_row_tokens=None, stream=None) -> None:
         """Plan the step and verify every record it will read (with ``stamp_before_forward``,
         also stamp the records of the tokens it writes).
 
@@ -447,7 +447,7 @@ class KvCanary:
             request_ids: a sequence of ``bs`` ids (any objects): violations of
                 row ``r`` report ``request_ids[r]``, even when found steps later.
             input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                expected_input_ids, expected_positions: only with
+                expected_input_ids, expected_positions, max_row_tokens: only with
                 ``stamp_before_forward``: the step's write inputs, as
                 :meth:`after_forward` takes them (``None``: the bound buffers).
             stream: CUDA stream (default: PyTorch's current stream for PyTorch
@@ -481,9 +481,10 @@ class KvCanary:
         stamp = None
         if self.stamp_before_forward:
             stamp = self._layout.after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                                       expected_input_ids, expected_positions)
+                                       expected_input_ids, expected_positions, max_row_tokens)
         elif (input_ids is not None or positions is not None or out_cache_loc is not None or num_tokens is not None
-              or swa_out_cache_loc is not None or expected_input_ids is not None or expected_positions is not None):
+              or swa_out_cache_loc is not None or expected_input_ids is not None or expected_positions is not None
+              or max_row_tokens is not None):
             raise ValueError("kvcanary: input_ids: a step's write inputs go to after_forward (or construct the "
                              "monitor with stamp_before_forward=True to stamp before the forward)")
         if self._cpu:
@@ -583,7 +584,8 @@ class KvCanary:
 
     @guarded
     def after_forward(self, input_ids=None, positions=None, out_cache_loc=None, *, num_tokens=None,
-                      swa_out_cache_loc=None, expected_input_ids=None, expected_positions=None, stream=None) -> None:
+                      swa_out_cache_loc=None, expected_input_ids=None, expected_positions=None, max_row_tokens=None,
+                      stream=None) -> None:
         """Stamp the records of the tokens the step wrote, after the model wrote their K/V.
 
         Args:
@@ -599,6 +601,10 @@ class KvCanary:
             expected_input_ids, expected_positions: optional int ``[num_tokens]``
                 (-1: unchecked): what each token and position must be
                 (WRITE_TOKEN / WRITE_POSITION violations).
+            max_row_tokens: optional int, a bound on every batch row's new tokens (1 for
+                a decode step), as :func:`~kvcanary_cupy.write` takes it: a faster route on
+                a GPU, the same records (rounded up to a power of two: a step is prepared
+                once for all the bounds that round alike).
             stream: CUDA stream, as for :meth:`before_forward`.
 
         Example::
@@ -616,7 +622,7 @@ class KvCanary:
         ptr0, checked_tokens, before = self._step_open
         if self.stamp_before_forward:
             if any(x is not None for x in (input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                                           expected_input_ids, expected_positions)):
+                                           expected_input_ids, expected_positions, max_row_tokens)):
                 raise ValueError("kvcanary: after_forward: this monitor stamps in before_forward "
                                  "(stamp_before_forward=True); pass the step's write inputs there")
             self._close_step()
@@ -624,7 +630,7 @@ class KvCanary:
         # Every argument of every group is imported and checked before the first launch, so a
         # misuse raises with no record changed (the step stays open: fix the call and repeat it).
         step = self._layout.after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                                  expected_input_ids, expected_positions)
+                                  expected_input_ids, expected_positions, max_row_tokens)
         ptr = self._inputs.stream(stream, step.objs) if stream is not None or step.given else ptr0
         self._close_step()
         if step.launches is not None:
@@ -668,13 +674,13 @@ class KvCanary:
         if self._agreement is not None:
             locs = [swa_loc if loc is None else loc for _, loc, _ in step.groups]
             digest = self._agreement.step_digest(self.groups, input_ids=ids, positions=pos, locs=locs)
-        last = len(step.groups) - 1
+        last, bound = len(step.groups) - 1, step.max_row_tokens
         for i, (g, loc, (log, tag, srcs, mode, exp_in)) in enumerate(step.groups):
             if i in skip:
                 continue
             ops.write(g.canary, g.wp, input_ids=ids, positions=pos, out_cache_loc=swa_loc if loc is None else loc,
                       log=log, tag=tag, real_kv=srcs, real_kv_mode=mode, expected_inputs=exp_in,
-                      digest=digest if i == last else None, stream=s)
+                      digest=digest if i == last else None, max_row_tokens=bound, stream=s)
 
     # ------------------------------------------------------------------ graphs
     @guarded

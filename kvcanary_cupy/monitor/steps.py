@@ -80,16 +80,20 @@ class AfterStep:
             real_kv_mode, expected_inputs))``: the rest of :func:`~kvcanary_cupy.write`'s
             keyword arguments.
         tokens: the shortest of the token inputs (what a write may read).
+        max_row_tokens: the caller's bound on a row's tokens, or None (see
+            :func:`~kvcanary_cupy.write`).
         kept: whether it is kept in a :class:`StepCache` (its arrays are the bound buffers).
         launches: once a kept step recorded them, its writes' :class:`~kvcanary_cupy.ops.PreparedOp` s.
     """
 
-    __slots__ = ("objs", "given", "ids", "pos", "loc", "translate", "groups", "tokens", "kept", "launches")
+    __slots__ = ("objs", "given", "ids", "pos", "loc", "translate", "groups", "tokens", "max_row_tokens", "kept",
+                 "launches")
 
-    def __init__(self, *, objs: tuple, ids, pos, loc, translate: bool, groups: tuple, tokens: int):
+    def __init__(self, *, objs: tuple, ids, pos, loc, translate: bool, groups: tuple, tokens: int,
+                 max_row_tokens: int | None):
         self.objs, self.given = objs, any(o is not None for o in objs)
         self.ids, self.pos, self.loc, self.translate, self.groups = ids, pos, loc, translate, groups
-        self.tokens = tokens
+        self.tokens, self.max_row_tokens = tokens, max_row_tokens
         self.kept = False
         self.launches = None
 
@@ -205,19 +209,23 @@ class StepLayout:
                                  expected)
 
     def after(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc, expected_input_ids,
-              expected_positions) -> AfterStep:
-        """The step's write arguments: prepared once per ``num_tokens`` for bound buffers."""
+              expected_positions, max_row_tokens=None) -> AfterStep:
+        """The step's write arguments: prepared once per ``num_tokens`` and ``max_row_tokens``
+        (rounded up to a power of two) for bound buffers."""
+        max_row_tokens = scalars.bound_key(max_row_tokens)
         if (input_ids is None and positions is None and out_cache_loc is None and swa_out_cache_loc is None
                 and expected_input_ids is None and expected_positions is None
-                and (num_tokens is None or type(num_tokens) is int)):
-            step = self._after_steps.get(num_tokens)
+                and (num_tokens is None or type(num_tokens) is int)
+                and (max_row_tokens is None or type(max_row_tokens) is int)):
+            key = (num_tokens, max_row_tokens)
+            step = self._after_steps.get(key)
             if step is None:
-                step = self._after_step(None, None, None, num_tokens, None, None, None)
+                step = self._after_step(None, None, None, num_tokens, None, None, None, max_row_tokens)
                 step.kept = True
-                self._after_steps.put(num_tokens, step)
+                self._after_steps.put(key, step)
             return step
         return self._after_step(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
-                                expected_input_ids, expected_positions)
+                                expected_input_ids, expected_positions, max_row_tokens)
 
     def fill_valid_lens(self, step: BeforeStep, ptr) -> None:
         """The bound expected-token table's valid lengths for this step: the given ones, else
@@ -283,10 +291,12 @@ class StepLayout:
         return self._expected_with_bound
 
     def _after_step(self, input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc, expected_input_ids,
-                    expected_positions) -> AfterStep:
+                    expected_positions, max_row_tokens) -> AfterStep:
         """Import and check a step's write arguments (the bound buffers where None) and lay out the ops'."""
         if num_tokens is not None:
             num_tokens = scalars.check_int(num_tokens, "num_tokens", minimum=0)
+        if max_row_tokens is not None:
+            max_row_tokens = scalars.check_int(max_row_tokens, "max_row_tokens", minimum=0)
         arg = self._inputs.arg
         ids = arg(input_ids, "input_ids", num_tokens)
         pos = arg(positions, "positions", num_tokens)
@@ -306,4 +316,5 @@ class StepLayout:
             groups.append((g, gloc, (self.log, g.tag_write, g.sources, g.mode, exp_in)))
         given = [ids, pos, loc, *(gl for _, gl, _ in groups if gl is not None), *(exp_in or ())]
         return AfterStep(objs=(input_ids, positions, out_cache_loc), ids=ids, pos=pos, loc=loc, translate=translate,
-                         groups=tuple(groups), tokens=min(int(a.shape[0]) for a in given if a is not None))
+                         groups=tuple(groups), tokens=min(int(a.shape[0]) for a in given if a is not None),
+                         max_row_tokens=max_row_tokens)

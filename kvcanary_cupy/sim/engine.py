@@ -339,12 +339,13 @@ class PagedKvSim:
         # --- forward: verify, model writes, stamp ----------------------------------------
         # A monitor that stamps before the forward takes the step's tokens there.
         stamp = cfg.stamp_before_forward
-        self.monitor.before_forward(batch_size=bs, request_ids=ids, **({"num_tokens": n} if stamp else {}))
+        w = {"num_tokens": n, "max_row_tokens": max(spans)}  # the step's write inputs: bound, and its longest row
+        self.monitor.before_forward(batch_size=bs, request_ids=ids, **(w if stamp else {}))
         self.k.write(i["loc"][:n], i["ids"][:n], i["pos"][:n])
         self.v.write(i["loc"][:n], i["ids"][:n], i["pos"][:n])
         if self.swa_kv is not None:
             self.swa_kv.write(self.swa_of[i["loc"][:n]], i["ids"][:n], i["pos"][:n])
-        self.monitor.after_forward(**({} if stamp else {"num_tokens": n}))
+        self.monitor.after_forward(**({} if stamp else w))
         for h in list(self.hooks):
             if hasattr(h, "after_stamp"):
                 h.after_stamp(self, batch, spans)
@@ -369,9 +370,9 @@ class PagedKvSim:
                 if hasattr(h, "on_draft_inputs"):
                     h.on_draft_inputs(self, batch, spans)
             self._sync(("expected", "dids", "dpos", "dvlen"))
-            self.draft.before_forward(batch_size=bs, request_ids=ids, **({"num_tokens": n} if stamp else {}))
+            self.draft.before_forward(batch_size=bs, request_ids=ids, **(w if stamp else {}))
             self.draft_kv.write(i["loc"][:n], i["dids"][:n], i["dpos"][:n])
-            self.draft.after_forward(**({} if stamp else {"num_tokens": n}))
+            self.draft.after_forward(**({} if stamp else w))
 
         # --- slide the window, finish -------------------------------------------------------
         if cfg.swa_window:

@@ -531,6 +531,8 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
         unplanned = rng.random() < 0.05  # as never planned: nothing written, writes_skipped counts it
         w_sources = R["sources"] if rng.random() < 0.8 else ()
         mode = c["mode"] if w_sources else RealKvMode.NONE
+        # A caller's bound on the rows' tokens picks a route, right or not: the same bytes.
+        bound = None if rng.random() < 0.5 else int(rng.choice([0, 1, 2, 32, 128, 129, 4096]))
         for st in (R, D):
             side = st["side"]
             for k, v in seed_fix.items():
@@ -546,7 +548,8 @@ def run_case(seed, ref: Side, dev: Side, scale: float = 1.0) -> None:
                                log=st["log"], tag=tag, sources=srcs if mode != RealKvMode.NONE else (),
                                mode=mode if srcs else RealKvMode.NONE,
                                expected_tokens=d(exp_tok) if exp_tok is not None else None,
-                               expected_positions=d(exp_pos) if exp_pos is not None else None)
+                               expected_positions=d(exp_pos) if exp_pos is not None else None,
+                               max_row_tokens=bound)
         _eq("write records", dev.to_host(D["canary"].records), ref.to_host(R["canary"].records))
         logs.check("write")
 

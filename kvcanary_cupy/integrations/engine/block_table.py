@@ -265,7 +265,7 @@ class BlockTableCanary:
             self._pinned_tokens.copy(ids, pos, t["ids"], t["pos"], ptr)
             slots = step.slot_mapping[:total] if keep is None else self.ops.select(step.slot_mapping, keep)
             self.ops.copy_into(t["loc"], slots, ptr)
-        self.monitor.after_forward(num_tokens=m, stream=ptr)
+        self.monitor.after_forward(num_tokens=m, max_row_tokens=int(extend[idx].max()), stream=ptr)
 
     def _stream(self, step: AttentionStep):
         """The raw stream of the step's launches (None on the CPU): the step's, else PyTorch's current one."""

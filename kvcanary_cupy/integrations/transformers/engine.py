@@ -159,6 +159,7 @@ class EngineCanary:
         self._holding_back = False  # whether the hooks that hold back failed requests are installed
         self.step = 0
         self.open = False
+        self.row_bound = None  # the open step's longest row of new tokens
         self.cancelled = 0
         self.too_late = 0
         self.outputs_dropped = 0
@@ -313,12 +314,13 @@ class EngineCanary:
         self.step += 1
         tags = request_tags(rids, self.step)
         exp = self.expected.tokens()
+        self.row_bound = max(ext)  # the write's bound on a row's tokens (max_row_tokens)
         self.open = True  # before the first monitor opens its step: a failure below aborts them all
         if self.stamp_first:
             n = self._write_slots()
             for g in self.groups:
                 g.monitor.before_forward(batch_size=bs, expected=exp, request_ids=tags, num_tokens=n,
-                                         stream=self.ptr)
+                                         max_row_tokens=self.row_bound, stream=self.ptr)
             return
         for g in self.groups:
             g.monitor.before_forward(batch_size=bs, expected=exp, request_ids=tags, stream=self.ptr)
@@ -334,7 +336,7 @@ class EngineCanary:
         n = self._write_slots()
         self.open = False
         for g in self.groups:
-            g.monitor.after_forward(num_tokens=n, stream=self.ptr)
+            g.monitor.after_forward(num_tokens=n, max_row_tokens=self.row_bound, stream=self.ptr)
 
     def _write_slots(self) -> int:
         """Put the slots the step writes in every group's loc; returns the step's token count."""
