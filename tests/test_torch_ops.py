@@ -306,7 +306,7 @@ def flat_args(eng: TorchEngine, op: str) -> tuple:
         return (eng.canary.records, eng.canary.chain, eng.vp.tensors(), eng.log.tensors(), *checks, True, *sample)
     if op == "write":
         return (eng.canary.records, eng.canary.chain, eng.wp.tensors(), i["ids"], i["pos"], i["loc"],
-                eng.log.tensors(), int(LaunchTag.WRITE), *checks[1:], i["ids"], None)
+                eng.log.tensors(), int(LaunchTag.WRITE), *checks[1:], i["ids"], None, 1)  # a bound rows may break
     if op == "plan_verify_write":
         return (eng.vp.tensors(), eng.wp.tensors(), eng.canary.records, eng.canary.chain, *plan, i["ids"], i["pos"],
                 i["loc"], i["ids"], None, eng.log.tensors(), int(LaunchTag.VERIFY), int(LaunchTag.WRITE), True)
@@ -581,6 +581,11 @@ def test_misuse_raises_kvcanary_errors_naming_the_argument():
     with pytest.raises(ValueError, match=r"^kvcanary: input_ids: plan_verify_write stamps at most 256 tokens"):
         many = {k: v.repeat(257) for k, v in tokens.items()}
         kt.plan_verify_write(vp, wp, canary, **rows, req_to_token=table, **many, log=log, tag=1, write_tag=2)
+    with pytest.raises(TypeError, match=r"^kvcanary: max_row_tokens: expected an integer"):
+        kt.write(canary, wp, **tokens, log=log, tag=1, max_row_tokens=1.0)
+    with pytest.raises(ValueError, match=r"^kvcanary: max_row_tokens: expected an integer >= 0"):
+        torch.ops.kvcanary.write(canary.records, None, wp.tensors(), *tokens.values(), log.tensors(), 1, [], [], 0,
+                                 None, None, -1)
 
 
 def test_cache_finds_objects_by_tensor_identity_and_lets_go():

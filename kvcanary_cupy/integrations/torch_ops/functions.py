@@ -183,7 +183,7 @@ def verify(canary: TorchCanaryBuffer, verify_plan: TorchVerifyPlan, *, log: Torc
 
 def write(canary: TorchCanaryBuffer, write_plan: TorchWritePlan, *, input_ids, positions, out_cache_loc,
           log: TorchViolationLog, tag: int, real_kv=(), real_kv_mode=RealKvMode.NONE, expected_inputs=None,
-          stream=None) -> None:
+          max_row_tokens: int | None = None, stream=None) -> None:
     """:func:`kvcanary_cupy.write` through ``torch.ops.kvcanary.write``.
 
     Args:
@@ -198,6 +198,8 @@ def write(canary: TorchCanaryBuffer, write_plan: TorchWritePlan, *, input_ids, p
         expected_inputs: optional pair ``(tokens, positions)`` of int32 / int64
             ``[>= total]`` tensors (either may be None; -1 skips an element):
             WRITE_TOKEN / WRITE_POSITION violations where they differ.
+        max_row_tokens: optional int, a bound on every row's tokens (1 for a decode
+            step), as :func:`kvcanary_cupy.write` takes it: a route, never other bytes.
         stream: as for :func:`plan`.
 
     Example::
@@ -219,7 +221,7 @@ def write(canary: TorchCanaryBuffer, write_plan: TorchWritePlan, *, input_ids, p
     tokens = _token_args(input_ids, positions, out_cache_loc, expected_inputs)
     _run(torch.ops.kvcanary.write.default, stream,
          [cb.records, cb.chain, wp.tensors(), *tokens[:3], lg.tensors(), *_check_args(tag, real_kv, real_kv_mode),
-          *tokens[3:]])
+          *tokens[3:], _int(max_row_tokens, "max_row_tokens", optional=True)])
 
 
 def plan_and_verify(verify_plan: TorchVerifyPlan, write_plan: TorchWritePlan | None,

@@ -50,11 +50,11 @@ def _token_inputs(input_ids, positions, out_cache_loc, expected_input_ids, expec
 
 
 def _write_impl(canary, chain, write_plan, input_ids, positions, out_cache_loc, log, tag, real_kv, real_kv_layout,
-                real_kv_mode, expected_input_ids, expected_positions) -> None:
+                real_kv_mode, expected_input_ids, expected_positions, max_row_tokens=None) -> None:
     kc.write(_canary(canary, chain), _write_plan(write_plan),
              **_token_inputs(input_ids, positions, out_cache_loc, expected_input_ids, expected_positions),
              log=_log(log), tag=tag, real_kv=_sources(real_kv, real_kv_layout), real_kv_mode=real_kv_mode,
-             stream=_stream(canary))
+             max_row_tokens=max_row_tokens, stream=_stream(canary))
 
 
 def _library_plan_and_verify():

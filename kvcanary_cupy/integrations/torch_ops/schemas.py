@@ -18,7 +18,7 @@ SCHEMAS = {
                f"{_CHECK_ARGS}, bool check_tokens, Tensor(b!)? sample_state, int sample_period) -> ()"),
     "write": ("write(Tensor(a!) canary, str? chain, Tensor[] write_plan, Tensor input_ids, Tensor positions, "
               f"Tensor out_cache_loc, Tensor(b!)[] log, {_CHECK_ARGS}, Tensor? expected_input_ids, "
-              "Tensor? expected_positions) -> ()"),
+              "Tensor? expected_positions, int? max_row_tokens=None) -> ()"),
     "plan_and_verify": (f"plan_and_verify(Tensor(a!)[] verify_plan, Tensor(b!)[] write_plan, Tensor canary, "
                         f"str? chain, {_PLAN_ARGS}, Tensor(c!)[] log, {_CHECK_ARGS}, bool check_tokens, "
                         "Tensor(d!)? sample_state, int sample_period) -> ()"),
