@@ -103,7 +103,7 @@ def test_a_row_bound_goes_with_the_write_inputs(xp):
         stamped.after_forward(max_row_tokens=1)
     stamped.after_forward()
     plain = monitor(xp)
-    with raises(ValueError, "after_forward"):
+    with raises(ValueError, "max_row_tokens", "after_forward"):
         plain.before_forward(a(xp, 1), a(xp, 0), a(xp, 1), max_row_tokens=1)
     assert stamped.stats()["slots_written"] == 1 and plain.stats()["steps"] == 0
 
