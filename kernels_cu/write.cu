@@ -639,7 +639,7 @@ __global__ void __launch_bounds__(256, kFp ? KVC_FP_MIN_BLOCKS : 2) write_tokens
         if (threadIdx.x < 33) sh.pow[threadIdx.x] = MUL_POW[threadIdx.x];
         pow = sh.pow;
     } else if constexpr (kScan) {
-        __shared__ u64 s_pow[33];
+        __shared__ u64 s_pow[33];  // a thread a word: the host's blocks have 128 or 256 threads
         if (threadIdx.x < 33) s_pow[threadIdx.x] = MUL_POW[threadIdx.x];
         pow = s_pow;
     }

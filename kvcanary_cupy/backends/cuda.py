@@ -93,6 +93,9 @@ WRITE_KERNELS = {(False, False): "kvc::write_tokens<false, false, true>",
 # no more, or the caller's max_row_tokens says so), by real-KV sources given: every row a warp,
 # none of the long rows' shared memory.
 WRITE_SHORT_KERNELS = {False: "kvc::write_tokens<false, true, false>", True: "kvc::write_tokens<true, true, false>"}
+# Their launches of at most SHORT_WRITE_ROWS rows take blocks of SHORT_WRITE_BLOCK threads (write.cu
+# takes any multiple of 32 from 64 to 256: its MUL_POW copy is a thread per word, 33 words).
+SHORT_WRITE_ROWS, SHORT_WRITE_BLOCK = 1024, 128
 VERIFY_KERNELS = {(False, False): "kvc::verify_entries<false, false>",
                   (False, True): "kvc::verify_entries<false, true>",
                   (True, False): "kvc::verify_entries<true, false>", (True, True): "kvc::verify_entries<true, true>"}
@@ -208,9 +211,9 @@ def _dev(a) -> int:
 class _Launch:
     """One kernel with its packed argument struct, ready to launch on any stream."""
 
-    __slots__ = ("fn", "grid", "dev", "buf", "params_ptr", "params", "index")
+    __slots__ = ("fn", "grid", "block", "dev", "buf", "params_ptr", "params", "index")
 
-    def __init__(self, fields, fn: int, dev: int, values: dict, grid: int):
+    def __init__(self, fields, fn: int, dev: int, values: dict, grid: int, block: int = BLOCK):
         self.index = {f: i for i, f in enumerate(fields)}
         self.buf = np.zeros(len(fields), dtype=np.int64)
         for k, v in values.items():
@@ -218,15 +221,15 @@ class _Launch:
         # cuLaunchKernel's kernelParams: one pointer, to the struct.
         self.params = np.array([self.buf.ctypes.data], dtype=np.uint64)
         self.params_ptr = int(self.params.ctypes.data)  # .ctypes costs a microsecond: read it once
-        self.fn, self.dev, self.grid = fn, dev, grid
+        self.fn, self.dev, self.grid, self.block = fn, dev, grid, block
 
     def __call__(self, stream: int) -> None:
         rt = _rt
         if rt.current_device() != self.dev:
             with rt.device(self.dev):
-                rt.launch_kernel(self.fn, self.grid, 1, 1, BLOCK, 1, 1, 0, stream, self.params_ptr, 0)
+                rt.launch_kernel(self.fn, self.grid, 1, 1, self.block, 1, 1, 0, stream, self.params_ptr, 0)
             return
-        rt.launch_kernel(self.fn, self.grid, 1, 1, BLOCK, 1, 1, 0, stream, self.params_ptr, 0)
+        rt.launch_kernel(self.fn, self.grid, 1, 1, self.block, 1, 1, 0, stream, self.params_ptr, 0)
 
 
 class _OwningLaunch(_Launch):
@@ -467,6 +470,12 @@ def prepare_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, 
     if scan and not short and WRITE_TILE_MIN < avail < 1 << 31 and canary.num_slots < (1 << 32) - 1:
         v["tiles"], v["tile_cap"], v["table_cap"] = _write_tiles(wp, dev, avail, stream)
         threads = max(threads, -(-avail // WRITE_TILE_TOKENS) * BLOCK)
+    if short and digest is None and wp.max_batch <= SHORT_WRITE_ROWS:
+        # Decode-shaped steps in half blocks: half the rows per SM (bs 64 / 256 behind an L2
+        # flush on an H200: 6.9 / 7.0 to 6.5-6.6 / 6.5-6.7 us; bs 4096 is slower so). A block of
+        # SHORT_WRITE_BLOCK threads needs at most half a full block's registers, so twice as many fit.
+        grid = max(1, min(-(-threads // SHORT_WRITE_BLOCK), 2 * _runtime().resident_blocks(fn, dev)))
+        return _Launch(WRITE_STEP_FIELDS, fn, dev, v, grid, SHORT_WRITE_BLOCK)
     blocks = _blocks(threads, _runtime().resident_blocks(fn, dev))
     if digest is None:
         return _Launch(WRITE_STEP_FIELDS, fn, dev, v, blocks)
