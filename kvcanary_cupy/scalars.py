@@ -33,7 +33,7 @@ def bound_key(x):
     rounded up to a power of two, which is still a bound and one of few values, so a cache
     of prepared calls keeps one call for many bounds; anything else as given (it is checked
     where it is used)."""
-    if type(x) is int and x > 1:
+    if type(x) is int and 1 < x <= 1 << 62:  # above, the power of two would not fit an int64
         return 1 << (x - 1).bit_length()
     return x
 

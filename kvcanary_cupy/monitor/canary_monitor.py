@@ -482,15 +482,16 @@ class KvCanary:
         if self.stamp_before_forward:
             stamp = self._layout.after(input_ids, positions, out_cache_loc, num_tokens, swa_out_cache_loc,
                                        expected_input_ids, expected_positions, max_row_tokens)
-        else:
+        elif (input_ids is not None or positions is not None or out_cache_loc is not None or num_tokens is not None
+              or swa_out_cache_loc is not None or expected_input_ids is not None or expected_positions is not None
+              or max_row_tokens is not None):  # every step makes this check: the names only to raise
             given = [k for k, v in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc),
                                     ("num_tokens", num_tokens), ("swa_out_cache_loc", swa_out_cache_loc),
                                     ("expected_input_ids", expected_input_ids),
                                     ("expected_positions", expected_positions),
                                     ("max_row_tokens", max_row_tokens)) if v is not None]
-            if given:
-                raise ValueError(f"kvcanary: {given[0]}: a step's write inputs go to after_forward (or construct the "
-                                 "monitor with stamp_before_forward=True to stamp before the forward)")
+            raise ValueError(f"kvcanary: {given[0]}: a step's write inputs go to after_forward (or construct the "
+                             "monitor with stamp_before_forward=True to stamp before the forward)")
         if self._cpu:
             ptr, capturing = None, False
         else:
