@@ -50,7 +50,10 @@ __global__ void __launch_bounds__(256) scatter_expected_tokens(ScatterArgs a) {
 // [0, copy_words) go to `copy_to` with `shift` added (`words` may be device memory
 // too), then update k sets element index[k] of target t to value[k], where target t
 // takes updates [end[t - 1], end[t]) (end[-1] = 0). An index outside its target is
-// never written: it is counted in *skipped (when given).
+// never written: it is counted in *skipped (when given). Last, with `rows_from` given, row i
+// of that int32 table (an engine's block table) is copied into row copy_to[i]'s index,
+// words[i] + shift, of `rows_to`, one block per row: the rows the copied words name; a row
+// index outside `rows_to` is never written and counts one skipped update.
 namespace kvc {
 
 inline constexpr int MAX_UPDATE_TARGETS = 4;
@@ -67,6 +70,11 @@ struct UpdateArgs {
     i64 target_len[MAX_UPDATE_TARGETS];
     i64 end[MAX_UPDATE_TARGETS];  // cumulative update counts
     i64* skipped;       // device: updates not applied, added to (or null)
+    const int* rows_from;  // device: [>= row_count, rows_from_stride], rows copied (or null)
+    i64 rows_from_stride;  // elements from one row of rows_from to the next
+    i64 row_count, row_width;  // rows copied, elements of each (at most rows_to_width are)
+    int* rows_to;          // device: [rows_to_count, rows_to_width]
+    i64 rows_to_count, rows_to_width;
 };
 
 __global__ void __launch_bounds__(256) apply_updates(UpdateArgs a) {
@@ -80,6 +88,19 @@ __global__ void __launch_bounds__(256) apply_updates(UpdateArgs a) {
         const i64 j = a.index[k];
         if (k < a.end[t] && j >= 0 && j < a.target_len[t]) a.target[t][j] = a.value[k];
         else ++skipped;
+    }
+    if (a.rows_from != nullptr) {
+        const i64 width = a.row_width < a.rows_to_width ? a.row_width : a.rows_to_width;
+        for (i64 i = blockIdx.x; i < a.row_count; i += gridDim.x) {
+            const i64 r = a.words[i] + a.shift;  // the words copy_to[i] gets: no wait for that copy
+            if (r < 0 || r >= a.rows_to_count) {
+                if (threadIdx.x == 0) ++skipped;
+                continue;
+            }
+            const int* from = a.rows_from + i * a.rows_from_stride;
+            int* to = a.rows_to + r * a.rows_to_width;
+            for (i64 j = threadIdx.x; j < width; j += blockDim.x) to[j] = from[j];
+        }
     }
     if (skipped != 0 && a.skipped != nullptr) atomicAdd((u64*)a.skipped, (u64)skipped);
 }

@@ -68,7 +68,8 @@ SCATTER_FIELDS = ("table", "nreq", "width", "tokens", "ntok", "offsets", "req_po
 MAX_UPDATE_TARGETS = 4  # scatter.cu
 UPDATE_FIELDS = (("words", "copy_to", "copy_words", "shift", "index", "value", "count")
                  + tuple(f"{f}{t}" for f in ("target", "target_len", "end") for t in range(MAX_UPDATE_TARGETS))
-                 + ("skipped",))
+                 + ("skipped", "rows_from", "rows_from_stride", "row_count", "row_width", "rows_to", "rows_to_count",
+                    "rows_to_width"))
 DIGEST_FIELDS = ("descs", "num_descs", "out", "state", "carry", "carry_words")
 # write_tokens' argument (write.cu WriteStepArgs): WRITE_FIELDS, then a digest's (all 0: none).
 WRITE_STEP_FIELDS = WRITE_FIELDS + tuple(f"d_{k}" for k in DIGEST_FIELDS)
@@ -527,17 +528,24 @@ class HostUpdates:
         device: the CUDA ordinal.
         skipped: device address of an int64 counter that every launch adds its skipped
             updates to (several launchers may share one); 0: a counter of its own.
+        rows_to: ``(device address, rows, width)`` of an int32 table that calls may copy
+            table rows into (see ``rows_from``), or None.
 
     :meth:`__call__` copies ``copy_words`` words with ``shift`` added, then applies the
     updates: int64 indices and int32 values at pinned addresses ``index`` and ``value``,
     ``ends[t]`` the cumulative count through target ``t``; an index outside its target is
-    not written, and counted (:meth:`skipped`). The caller keeps the pinned memory
-    unchanged until the launch has run (an event after it).
+    not written, and counted (:meth:`skipped`). With ``rows_from=(address, stride, count,
+    width)`` (a device int32 table, its row stride in elements, rows, elements per row),
+    its row ``i`` also goes to row ``words[i] + shift`` of ``rows_to`` (the first ``width``
+    elements, at most the table's width): a row index outside the table is not written and
+    counts one skipped update. The caller keeps the pinned memory unchanged until the
+    launch has run (an event after it).
     """
 
     GRID = 8  # blocks (grid-stride): a step's rows and changes are a few thousand words at most
+    MAX_ROW_GRID = 256  # blocks when copying table rows: one per row, up to this many
 
-    def __init__(self, *, words: int, copy_to: int, targets=(), device: int, skipped: int = 0):
+    def __init__(self, *, words: int, copy_to: int, targets=(), device: int, skipped: int = 0, rows_to=None):
         if len(targets) > MAX_UPDATE_TARGETS:
             raise ValueError(f"kvcanary: targets: at most {MAX_UPDATE_TARGETS}, got {len(targets)}")
         rt = _runtime()
@@ -551,6 +559,8 @@ class HostUpdates:
         v = dict(words=words, copy_to=copy_to, skipped=skipped)
         for t, (ptr, n) in enumerate(targets):
             v[f"target{t}"], v[f"target_len{t}"] = ptr, n
+        if rows_to is not None:
+            v["rows_to"], v["rows_to_count"], v["rows_to_width"] = rows_to
         self._launch = _Launch(UPDATE_FIELDS, rt.function("scatter", "kvc::apply_updates", device), device, v,
                                self.GRID)
         # Called every step: the argument words are set through a memoryview (a fraction of
@@ -559,9 +569,11 @@ class HostUpdates:
         at = self._launch.index
         self._scalars = tuple(at[f] for f in ("copy_words", "shift", "index", "value", "count"))
         self._ends = tuple(at[f"end{t}"] for t in range(MAX_UPDATE_TARGETS))
+        self._rows = tuple(at[f] for f in ("rows_from", "rows_from_stride", "row_count", "row_width"))
+        self._rows_to = rows_to is not None
 
     def __call__(self, *, copy_words: int, stream: int, shift: int = 0, index: int = 0, value: int = 0,
-                 ends=()) -> None:
+                 ends=(), rows_from=None) -> None:
         words = self._words
         n = min(len(ends), MAX_UPDATE_TARGETS)
         count = ends[n - 1] if n else 0
@@ -569,6 +581,16 @@ class HostUpdates:
             words[i] = x
         for t, i in enumerate(self._ends):
             words[i] = ends[t] if t < len(ends) else count
+        grid = self.GRID
+        if rows_from is None:
+            words[self._rows[0]] = 0
+        else:
+            if not self._rows_to:
+                raise ValueError("kvcanary: rows_from: this launcher was made without rows_to")
+            for i, x in zip(self._rows, rows_from):
+                words[i] = x
+            grid = max(grid, min(int(rows_from[2]), self.MAX_ROW_GRID))
+        self._launch.grid = grid
         self._launch(stream)
 
     def skipped(self) -> int:

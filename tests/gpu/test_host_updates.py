@@ -82,3 +82,39 @@ def test_too_many_targets_refused(cp):
     a = cp.zeros(1, dtype=cp.int32)
     with pytest.raises(ValueError, match="kvcanary: targets"):
         HostUpdates(words=0, copy_to=0, targets=[(a.data.ptr, 1)] * (MAX_UPDATE_TARGETS + 1), device=0)
+
+
+def test_table_rows_copied_to_the_rows_the_words_name(cp):
+    rng = np.random.default_rng(11)
+    words = _pinned(cp, 6, np.int64)
+    words[:] = [3, 0, 7, 2, -1, 5]  # batch row i goes to table row words[i]; -1 and 7 are outside
+    copy_to = cp.full(6, -777, dtype=cp.int64)
+    src = cp.asarray(rng.integers(-2**31, 2**31, (8, 40), dtype=np.int64).astype(np.int32))
+    view = src[:, 3:33]  # rows of unit stride 40 apart: 30 elements each
+    to = cp.full((7, 32), -5, dtype=cp.int32)  # poisoned
+    up = HostUpdates(words=words.ctypes.data, copy_to=copy_to.data.ptr, device=0,
+                     rows_to=(to.data.ptr, 7, 32))
+    stream = cp.cuda.Stream()
+    up(copy_words=6, stream=stream.ptr, rows_from=(view.data.ptr, 40, 6, 30))
+    stream.synchronize()
+    expect = np.full((7, 32), -5, dtype=np.int32)
+    host = view.get()
+    for i, r in enumerate(words.tolist()):
+        if 0 <= r < 7:
+            expect[r, :30] = host[i]
+    assert to.get().tolist() == expect.tolist()
+    assert copy_to.get().tolist() == words.tolist()
+    assert up.skipped() == 2, "the two rows outside the table count one each"
+    up(copy_words=0, stream=stream.ptr, rows_from=(src.data.ptr, 40, 2, 40))  # wider than the table: 32 go
+    stream.synchronize()
+    expect[3], expect[0] = src.get()[0, :32], src.get()[1, :32]
+    assert to.get().tolist() == expect.tolist()
+    up(copy_words=0, stream=stream.ptr)  # no rows_from: the table is left alone
+    stream.synchronize()
+    assert to.get().tolist() == expect.tolist()
+
+
+def test_rows_from_needs_a_table_to_copy_into(cp):
+    up = HostUpdates(words=0, copy_to=0, device=0)
+    with pytest.raises(ValueError, match="kvcanary: rows_from"):
+        up(copy_words=0, stream=cp.cuda.get_current_stream().ptr, rows_from=(0, 1, 1, 1))

@@ -139,7 +139,7 @@ class BlockTableCanary:
         else:
             self._rows = {k: self.staged.device_view(k) for k in ("rows", "prefix", "extend")}
         self._bind_tokens(self.max_tokens)
-        self.upload = None if self.staged is None else ChangeUpload(device, self.staged)
+        self.upload = None if self.staged is None else ChangeUpload(device, self.staged, rows_to=self.table)
         self._step = None  # (step, prefix, extend, now, later, stream) between check_reads and stamp_writes
         self.open = False  # whether the monitor has a step open
         self.aborted = 0
@@ -147,7 +147,9 @@ class BlockTableCanary:
         self.slots_read = 0  # positions the step's rows read, from the engine's own lengths
 
     def _bind_tokens(self, n: int) -> None:
-        self._tokens = {k: self.ops.zeros((n,)) for k in ("ids", "pos", "loc")}
+        # One allocation, rows ids / pos / loc: the ids and positions travel in one 2-D copy.
+        both = self.ops.zeros((3, n))
+        self._tokens = {k: both[i] for i, k in enumerate(("ids", "pos", "loc"))}
         if self.staged is not None:  # the step's token ids and positions, written on the host
             self._pinned_tokens = TokenStaging(n, self.device)
         self.max_tokens = n
@@ -169,18 +171,26 @@ class BlockTableCanary:
         prefix, extend = self._lengths(step, n)
         self.slots_read += int(prefix.sum())
         rows = np.asarray(step.rows, dtype=np.int64)
-        deferred = np.zeros(n, dtype=bool) if step.deferred is None else np.asarray(step.deferred, dtype=bool)
-        now, later = np.flatnonzero(~deferred), np.flatnonzero(deferred)
+        if step.deferred is None:
+            now, later = np.arange(n), np.arange(0)
+        else:
+            deferred = np.asarray(step.deferred, dtype=bool)
+            now, later = np.flatnonzero(~deferred), np.flatnonzero(deferred)
         self.deferred_rows += int(later.size)
         ends = prefix + extend
         self.expected.reserve(int(ends.max()), None)
         self.expected.fill(rows, step.states, ends, step.fresh)
-        self._stage_rows(rows, prefix, extend, now, ptr)  # on CUDA, with the expected tokens' changes
-        if self.staged is not None and now.size == n:  # the staged rows index the canary's table
-            self.table[:, :step.block_table.shape[1]].index_copy_(0, self._rows["rows"][:n],
-                                                                   step.block_table[:n].to(self.table.dtype))
-        else:
-            self.ops.put_rows(self.table, step.rows, step.block_table)
+        bt = step.block_table
+        # On CUDA, with every row checked now, the staging launch copies the block table's rows
+        # too (int32 rows of unit stride, as vLLM's); else torch does, after it.
+        direct = (self.staged is not None and now.size == n and bt.dtype == self.table.dtype and bt.dim() == 2
+                  and bt.stride(1) == 1 and bt.shape[0] >= n and bt.shape[1] <= self.table.shape[1]
+                  and bt.device == self.table.device)
+        self._stage_rows(rows, prefix, extend, now, ptr, rows_from=(bt, n) if direct else None)
+        if not direct and self.staged is not None and now.size == n:  # the staged rows index the table
+            self.table[:, :bt.shape[1]].index_copy_(0, self._rows["rows"][:n], bt[:n].to(self.table.dtype))
+        elif not direct:
+            self.ops.put_rows(self.table, step.rows, bt)
         self._step = (step, prefix, extend, now, later, ptr)
         if now.size:
             self._before(step, now, ptr)
@@ -204,7 +214,16 @@ class BlockTableCanary:
             self._stage_rows(np.asarray(step.rows, dtype=np.int64), prefix, extend, later, ptr)
             self._before(step, later, ptr)
             self._after(step, extend, later, now, ids, pos, ptr)
-        return self.monitor.poll(stream=ptr)
+        # This poll takes the copy queued after the check (an engine asks for the step's
+        # damaged requests after this call) and queues none: the write's rows and counters
+        # travel in the copy queued after the next step's check, so a clean step pays one
+        # copy. Rows checked after the writes get a copy of their own.
+        return self.monitor.poll(stream=ptr, queue_next=bool(later.size))
+
+    def drain(self) -> list:
+        """The monitor's rows not returned yet, the last step's write included (waits for the
+        device): for the end of a run, after the last :meth:`stamp_writes`."""
+        return self.monitor.poll() + self.monitor.poll(queue_next=False)
 
     def _lengths(self, step: AttentionStep, n: int) -> tuple[np.ndarray, np.ndarray]:
         """``(prefix, extend)``, host int64 ``[n]``: each row's cached tokens read and new tokens written."""
@@ -220,10 +239,12 @@ class BlockTableCanary:
         extend = np.diff(np.asarray(qsl, dtype=np.int64)[:n + 1])
         return np.asarray(seq, dtype=np.int64)[:n] - extend, extend
 
-    def _stage_rows(self, rows: np.ndarray, prefix: np.ndarray, extend: np.ndarray, idx: np.ndarray, ptr) -> None:
-        """The monitor's bound rows for batch rows ``idx``; on CUDA one launch carries them and the
-        expected tokens' pending changes."""
-        r, p, e = rows[idx], prefix[idx], extend[idx]
+    def _stage_rows(self, rows: np.ndarray, prefix: np.ndarray, extend: np.ndarray, idx: np.ndarray, ptr,
+                    rows_from=None) -> None:
+        """The monitor's bound rows for batch rows ``idx``; on CUDA one launch carries them, the
+        expected tokens' pending changes and (``rows_from``, see :meth:`ChangeUpload.flush`) the
+        block table's rows."""
+        r, p, e = (rows, prefix, extend) if idx.size == rows.size else (rows[idx], prefix[idx], extend[idx])
         if self.staged is None:
             k, b = idx.size, self._rows
             b["rows"][:k], b["prefix"][:k], b["extend"][:k] = r, p, e
@@ -231,7 +252,7 @@ class BlockTableCanary:
             return
         self.upload.wait_reusable()
         self.staged.set_batch(r, p, e, p + e)
-        self.upload.flush([self.expected.table], stream=ptr)
+        self.upload.flush([self.expected.table], stream=ptr, rows_from=rows_from)
 
     def _before(self, step: AttentionStep, idx: np.ndarray, ptr) -> None:
         k, b = idx.size, self._rows

@@ -115,12 +115,15 @@ class ChangeUpload:
     copy and one ``index_copy_`` per table do the same. ``device``: where the tables live.
     ``steps``: the :class:`StepArrays` whose rows travel with the changes (CUDA only).
     ``skipped``: device address of an int64 counter the launches add changes they could
-    not apply to (CUDA; 0: each launcher counts on its own).
+    not apply to (CUDA; 0: each launcher counts on its own). ``rows_to``: an int32 CUDA
+    table (a canary's page table) the same launch may copy an engine's table rows into,
+    at the step rows' indices (``flush(..., rows_from=...)``).
     """
 
-    def __init__(self, device: str, steps: StepArrays | None = None, skipped: int = 0):
+    def __init__(self, device: str, steps: StepArrays | None = None, skipped: int = 0, rows_to=None):
         self.device = device
         self._skipped_at = skipped
+        self._rows_to = rows_to
         self.cuda = str(device).startswith("cuda")
         self.steps = steps
         self._cap = 0
@@ -166,10 +169,12 @@ class ChangeUpload:
         self._host_address = self._host.ctypes.data
         self._launcher = None
 
-    def flush(self, tables, stream=None) -> int:
+    def flush(self, tables, stream=None, rows_from=None) -> int:
         """Apply the pending changes of ``tables`` (and, on CUDA, copy the step rows) on the
         device, on ``stream`` (a raw CUDA stream; else the current stream); returns how many
-        entries moved."""
+        entries moved. ``rows_from`` (CUDA, with ``rows_to``): ``(table, n)``, a contiguous-row
+        int32 CUDA tensor whose rows ``0 .. n - 1`` go to ``rows_to``'s rows named by the
+        step rows' first ``n`` words, in the same launch."""
         tables = [t for t in tables if not t.cpu]
         changes = [t.take() for t in tables]
         total = sum(len(c[0]) for c in changes if c is not None)
@@ -186,9 +191,9 @@ class ChangeUpload:
         if not self.cuda:
             self._torch_scatter(tables, changes, ends)
         elif len(tables) <= self._max_targets:  # every table: the launch stays the same from step to step
-            self._launch(tables, ends, stream)
+            self._launch(tables, ends, stream, rows_from)
         else:
-            self._launch(*self._changed_only(tables, changes, ends), stream)
+            self._launch(*self._changed_only(tables, changes, ends), stream, rows_from)
         return total
 
     def _stage(self, idx, values, at: int) -> int:
@@ -211,15 +216,19 @@ class ChangeUpload:
             raise ValueError(f"kvcanary: {len(changed)} tables changed in one step; at most {most}")
         return [tables[i] for i in changed], [ends[i] for i in changed]
 
-    def _launch(self, tables, ends, stream) -> None:
-        """One HostUpdates launch on ``stream``: the step rows, then each table's changes."""
+    def _launch(self, tables, ends, stream, rows_from=None) -> None:
+        """One HostUpdates launch on ``stream``: the step rows, each table's changes, the table rows."""
         arrays = tuple(map(_ARRAY, tables))
         held = self._target_arrays
         if self._launcher is None or len(arrays) != len(held) or not all(map(operator.is_, arrays, held)):
             self._make_launcher(arrays)
         ptr = int(stream) if stream is not None else self._current_stream().ptr
+        rows = None
+        if rows_from is not None:
+            src, n = rows_from
+            rows = (src.data_ptr(), src.stride(0), n, src.shape[1])
         self._launcher(copy_words=self._copy_words, index=self._host_address,
-                       value=self._host_address + 8 * self._cap, ends=ends, stream=ptr)
+                       value=self._host_address + 8 * self._cap, ends=ends, stream=ptr, rows_from=rows)
         self._record_event(self._event.ptr, ptr)
         self._in_flight = True
 
@@ -231,10 +240,12 @@ class ChangeUpload:
 
         dev = int(self.device.split(":")[1])
         steps = self.steps
+        to = self._rows_to
         self._launcher = HostUpdates(words=steps.pinned_address if steps else 0,
                                      copy_to=steps.device_address if steps else 0,
                                      targets=[(a.data_ptr(), a.numel()) for a in arrays], device=dev,
-                                     skipped=self._skipped_at)
+                                     skipped=self._skipped_at,
+                                     rows_to=None if to is None else (to.data_ptr(), to.shape[0], to.shape[1]))
         self._target_arrays = arrays
         if self._event is None:
             with cupy.cuda.Device(dev):
@@ -261,10 +272,11 @@ class ChangeUpload:
 class TokenStaging:
     """A step's token ids and positions (host values) onto the device buffers a monitor binds.
 
-    The host writes them into pinned memory and two copies on the step's stream carry them;
-    the host writes again only once the previous step's copies are done (an event after
-    them), so a step never waits for the device in the common case. ``n``: tokens at most;
-    ``device``: the CUDA device (``"cuda:N"``).
+    The host writes them into pinned memory and a copy on the step's stream carries them (one
+    2-D copy where the two device rows are ``n``-word rows of one array, else two); the host
+    writes again only once the previous step's copy is done (an event after it), so a step
+    never waits for the device in the common case. ``n``: tokens at most; ``device``: the
+    CUDA device (``"cuda:N"``).
     """
 
     def __init__(self, n: int, device: str):
@@ -287,7 +299,11 @@ class TokenStaging:
         self._host[0, :m] = ids
         self._host[1, :m] = pos
         rt = self._rt
-        rt.memcpyAsync(out_ids.data_ptr(), self._address, 8 * m, rt.memcpyHostToDevice, stream)
-        rt.memcpyAsync(out_pos.data_ptr(), self._address + 8 * self.n, 8 * m, rt.memcpyHostToDevice, stream)
+        dst, pitch = out_ids.data_ptr(), out_pos.data_ptr() - out_ids.data_ptr()
+        if pitch >= 8 * m and m:
+            rt.memcpy2DAsync(dst, pitch, self._address, 8 * self.n, 8 * m, 2, rt.memcpyHostToDevice, stream)
+        else:
+            rt.memcpyAsync(dst, self._address, 8 * m, rt.memcpyHostToDevice, stream)
+            rt.memcpyAsync(out_pos.data_ptr(), self._address + 8 * self.n, 8 * m, rt.memcpyHostToDevice, stream)
         rt.eventRecord(self._event.ptr, stream)
         self._in_flight = True

@@ -25,8 +25,7 @@ def match_rows(keys, mirror, *, block_size: int) -> tuple[list, int]:
     metadata whose :meth:`RowKeyReader.read` keys are ``keys``, in row order; a row that cannot be named
     gets a placeholder with no request and no known token."""
     qsl, seq, first = keys
-    ext = np.diff(qsl).tolist()
-    seq, first = seq.tolist(), first.tolist()
+    ext = [b - a for a, b in zip(qsl, qsl[1:])]
     by_slot: dict = {}
     for s in mirror.scheduled:
         blocks = s.blocks[0] if s.blocks else ()
@@ -50,30 +49,31 @@ def match_rows(keys, mirror, *, block_size: int) -> tuple[list, int]:
 
 class RowKeyReader:
     """Each step's row keys on the host: ``(query_start_loc [n + 1], seq_lens [n], first_slot [n])``
-    of attention metadata ``md`` (``query_start_loc``, ``seq_lens``, ``slot_mapping``) as int64:
-    each row's token range, length, and the slot its first new token is written to (-1 for a
-    row with no token in ``slot_mapping``). CUDA metadata is copied into one pinned buffer, kept
-    from step to step, on the step's stream, then waited for once; a layout other than
-    contiguous int32 / int64 vectors goes through torch."""
+    of attention metadata ``md`` (``query_start_loc``, ``seq_lens``, ``slot_mapping``) as lists of
+    Python ints: each row's token range, length, and the slot its first new token is written to
+    (-1 for a row with no token in ``slot_mapping``). CUDA metadata is copied into one pinned
+    buffer, kept from step to step, on the step's stream, then waited for once; a layout other
+    than contiguous int32 / int64 vectors goes through torch. (A step has a few hundred rows at
+    most: lists cost less than arrays here, and the step's host code takes lists.)"""
 
     def __init__(self):
-        self._buf, self._cap = None, 0
+        self._buf, self._bytes, self._cap = None, None, 0
 
-    def read(self, md, stream: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read(self, md, stream: int | None) -> tuple[list, list, list]:
         """The keys of ``md``: NumPy arrays or CPU tensors when ``stream`` is None, else CUDA
         tensors read on raw stream ``stream``."""
         qsl, seq, slots = md.query_start_loc, md.seq_lens, md.slot_mapping
         if stream is None:
-            return _keys(host_array(qsl), host_array(seq), host_array(slots))
+            return _keys(host_array(qsl).tolist(), host_array(seq).tolist(), host_array(slots))
         import torch  # noqa: PLC0415  (CUDA metadata: torch is the engine's)
 
-        words = {torch.int32: np.int32, torch.int64: np.int64}
+        words = {torch.int32: "i", torch.int64: "q"}
         parts = (slots, qsl, seq)  # the int64 slots first: every part starts aligned
         if not all(t.dtype in words and t.is_contiguous() and t.dim() == 1 for t in parts):
             q = qsl.to(torch.int64)
             n = q.numel() - 1
             packed = torch.cat([q, seq[:n].to(torch.int64), slots.to(torch.int64)]).cpu().numpy()
-            return _keys(packed[:n + 1], packed[n + 1:2 * n + 1], packed[2 * n + 1:])
+            return _keys(packed[:n + 1].tolist(), packed[n + 1:2 * n + 1].tolist(), packed[2 * n + 1:])
         import cupy  # noqa: PLC0415
 
         rt = cupy.cuda.runtime
@@ -84,27 +84,25 @@ class RowKeyReader:
         if need > self._cap:
             self._cap = max(need, 2 * self._cap, 4096)
             self._buf = cupy.cuda.alloc_pinned_memory(self._cap)
+            self._bytes = memoryview(np.frombuffer(self._buf, np.uint8, self._cap))
         base = self._buf.ptr
         views, at = [], 0
-        for t, c, b in zip(parts, counts, sizes):
+        for t, b in zip(parts, sizes):
             if b:
                 rt.memcpyAsync(base + at, t.data_ptr(), b, rt.memcpyDeviceToHost, stream)
-            views.append((at, c, words[t.dtype]))
+            views.append(self._bytes[at:at + b].cast(words[t.dtype]))
             at += -(-b // 8) * 8
         rt.streamSynchronize(stream)
-        raw = np.frombuffer(self._buf, np.uint8, self._cap)
-        sm, q, s = (raw[o:o + c * np.dtype(w).itemsize].view(w).astype(np.int64) for o, c, w in views)
-        return _keys(q, s, sm)
+        sm, q, s = views
+        return _keys(q.tolist(), s.tolist(), sm)
 
 
-def _keys(q: np.ndarray, seq: np.ndarray, sm: np.ndarray):
-    """``(q, seq[:n], first)``: each row's first slot from the slot mapping ``sm`` (-1 past its end)."""
+def _keys(q: list, seq: list, sm):
+    """``(q, seq[:n], first)``: each row's first slot from the slot mapping ``sm`` (a sequence of
+    ints; -1 where a row starts past its end)."""
     n = len(q) - 1
-    if len(sm):
-        first = sm[np.clip(q[:-1], 0, len(sm) - 1)]
-        first = np.where(q[:-1] < len(sm), first, -1)
-    else:
-        first = np.full(n, -1, np.int64)
+    m = len(sm)
+    first = [int(sm[a]) if 0 <= a < m else -1 for a in q[:n]]
     return q, seq[:n], first
 
 

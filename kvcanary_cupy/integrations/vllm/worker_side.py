@@ -137,7 +137,7 @@ class WorkerSide:
             states, unmatched = match_rows(keys, self.mirror, block_size=self.groups[0].block_size)
             self.rows_unmatched += unmatched
             rows, fresh = self.rows.rows_of(states)
-            qsl, seq = keys[0].tolist(), keys[1].tolist()
+            qsl, seq = keys[0], keys[1]
             tags, tokens = [s.request_id for s in states], _step_tokens(states)
             steps = []
             for g in self.groups:
@@ -226,8 +226,14 @@ class WorkerSide:
                 "slots_read": sum(p["slots_read"] for p in per.values()), "groups": per}
 
     def close(self) -> None:
-        for g in self.groups:
-            g.canary.monitor.close()
+        """Report what the last step left on the device (its write's rows), then end every
+        open incident, in every group even when the policy raises."""
+        try:
+            for g in self.groups:
+                self._report(g, g.canary.drain())
+        finally:
+            for g in self.groups:
+                g.canary.monitor.close()
 
 
 def _step_tokens(states) -> list:
