@@ -50,8 +50,9 @@ class PagedEngine:
         self.first = True
         self.read = 0
 
-    def step(self):
-        """One step of every request: a prefill the first time, then one token each."""
+    def step(self, *, deferred=None, settle: bool = True):
+        """One step of every request: a prefill the first time, then one token each (``deferred``:
+        rows checked after the writes). With ``settle``, the rows the queued copies hold too."""
         rows, seq, qsl, slots, tokens, bt = [], [], [0], [], [], []
         for i, r in enumerate(self.reqs):
             toks = r.initial_tokens + r.generated_tokens
@@ -75,13 +76,15 @@ class PagedEngine:
                              seq_lens=torch.tensor(seq, dtype=torch.int32, device=DEV),
                              query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
                              slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV), tokens=tokens,
-                             host_seq_lens=seq)
+                             host_seq_lens=seq, deferred=deferred)
         self.first = False
         found = self.canary.check_reads(step)
         found += self.canary.stamp_writes(step)
         for r in self.reqs:
             r.done = len(r.initial_tokens) + len(r.generated_tokens)
             r.generated_tokens.append(self.rng.randrange(1, 500))
+        if not settle:
+            return found
         torch.cuda.synchronize()
         return found + self.canary.poll() + self.canary.poll()  # rows the queued copies hold
 
@@ -115,3 +118,27 @@ def test_flipped_key_byte_in_the_last_layer_caught():
     found = eng.step() + eng.step()
     assert found and {v.request for v in found} == {"req-0"}
     assert any(v.reasons & FailReason.REAL_KV and v.slot == slot for v in found)
+
+
+def test_damage_read_before_the_forward_is_reported_by_the_same_steps_stamp():
+    # An engine asks for the step's damaged requests after the stamp (vLLM: after wait_for_save):
+    # the check's rows must be there, with no later poll.
+    eng = PagedEngine(seed=3)
+    for _ in range(4):
+        assert eng.step(settle=False) == []
+    r = eng.reqs[1]
+    r.blocks[0], r.blocks[1] = r.blocks[1], r.blocks[0]
+    found = eng.step(settle=False)
+    assert found and {v.request for v in found} == {"req-1"}
+
+
+def test_a_deferred_rows_damage_found_after_the_writes_is_drained_at_the_end():
+    eng = PagedEngine(seed=4)
+    for _ in range(4):
+        assert eng.step(settle=False) == []
+    r = eng.reqs[2]
+    r.blocks[0], r.blocks[1] = r.blocks[1], r.blocks[0]
+    found = eng.step(deferred=[False, False, True], settle=False)  # the last step: its row checked after
+    found += eng.canary.drain()
+    assert found and {v.request for v in found} == {"req-2"}
+    assert eng.canary.drain() == [], "drained once"
