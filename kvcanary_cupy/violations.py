@@ -325,6 +325,8 @@ class ViolationLog:
         as one copy found them (rows past them, a burst, are read now: synchronizing); marks
         them handed out, as :meth:`poll` does."""
         end = min(head, self.capacity)
+        if end <= self._polled:  # nothing new (every clean step's poll)
+            return []
         stop = min(end, start + len(rows))
         got = rows[max(0, self._polled - start):max(0, stop - start)]
         if end > stop:

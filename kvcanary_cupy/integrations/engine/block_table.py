@@ -236,8 +236,11 @@ class BlockTableCanary:
             both = torch.cat([step.seq_lens[:n].to(torch.int64), step.query_start_loc[:n + 1].to(torch.int64)])
             both = both.cpu().numpy()
             seq, qsl = both[:n], both[n:]
-        extend = np.diff(np.asarray(qsl, dtype=np.int64)[:n + 1])
-        return np.asarray(seq, dtype=np.int64)[:n] - extend, extend
+        # The host's lengths are a few Python ints: differences taken in Python, one conversion.
+        q = [int(x) for x in qsl[:n + 1]]
+        ext = [b - a for a, b in zip(q, q[1:])]
+        both = np.array([[int(s) - e for s, e in zip(seq[:n], ext)], ext], dtype=np.int64).reshape(2, n)
+        return both[0], both[1]
 
     def _stage_rows(self, rows: np.ndarray, prefix: np.ndarray, extend: np.ndarray, idx: np.ndarray, ptr,
                     rows_from=None) -> None:
@@ -286,7 +289,8 @@ class BlockTableCanary:
             self._pinned_tokens.copy(ids, pos, t["ids"], t["pos"], ptr)
             slots = step.slot_mapping[:total] if keep is None else self.ops.select(step.slot_mapping, keep)
             self.ops.copy_into(t["loc"], slots, ptr)
-        self.monitor.after_forward(num_tokens=m, max_row_tokens=int(extend[idx].max()), stream=ptr)
+        longest = int(extend.max() if others.size == 0 else extend[idx].max())
+        self.monitor.after_forward(num_tokens=m, max_row_tokens=longest, stream=ptr)
 
     def _stream(self, step: AttentionStep):
         """The raw stream of the step's launches (None on the CPU): the step's, else PyTorch's current one."""
