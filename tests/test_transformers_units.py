@@ -207,3 +207,13 @@ def test_version_check_accepts_only_the_pinned_release():
     assert check_version("5.17.0") == "5.17.0"
     with pytest.raises(ValueError, match="kvcanary: transformers: .* got 5.17.1"):
         check_version("5.17.1")
+
+
+@pytest.mark.parametrize("extend", [[1, 1, 1], [2, 0, 1], [3, 1, 2], [0, 0, 3], [], [1]])
+def test_token_positions_run_from_each_rows_prefix(extend):
+    from kvcanary_cupy.integrations.engine.step_arrays import positions  # noqa: PLC0415
+
+    prefix = [5, 0, 9][:len(extend)]
+    want = [p + j for p, e in zip(prefix, extend) for j in range(e)]
+    got = positions(np.array(prefix, dtype=np.int64), np.array(extend, dtype=np.int64), sum(extend))
+    assert got.dtype == np.int64 and got.tolist() == want
