@@ -97,12 +97,18 @@ def test_clean_steps_silent_and_every_read_slot_checked():
     assert s["slots_checked"] == eng.read > 0 and s["input_errors"] == 0
 
 
-def test_swapped_block_table_entries_caught_for_their_request():
-    eng = PagedEngine(seed=1)
+def _swapped_after_clean_steps(seed: int, request: int, *, settle: bool = True) -> PagedEngine:
+    """An engine after four clean steps, then its ``request``'s first two blocks swapped."""
+    eng = PagedEngine(seed=seed)
     for _ in range(4):
-        assert eng.step() == []
-    r = eng.reqs[2]
+        assert eng.step(settle=settle) == []
+    r = eng.reqs[request]
     r.blocks[0], r.blocks[1] = r.blocks[1], r.blocks[0]
+    return eng
+
+
+def test_swapped_block_table_entries_caught_for_their_request():
+    eng = _swapped_after_clean_steps(1, 2)
     found = eng.step() + eng.step()
     assert found and {v.request for v in found} == {"req-2"}
     assert any(v.reasons & FailReason.POSITION for v in found)
@@ -123,21 +129,13 @@ def test_flipped_key_byte_in_the_last_layer_caught():
 def test_damage_read_before_the_forward_is_reported_by_the_same_steps_stamp():
     # An engine asks for the step's damaged requests after the stamp (vLLM: after wait_for_save):
     # the check's rows must be there, with no later poll.
-    eng = PagedEngine(seed=3)
-    for _ in range(4):
-        assert eng.step(settle=False) == []
-    r = eng.reqs[1]
-    r.blocks[0], r.blocks[1] = r.blocks[1], r.blocks[0]
+    eng = _swapped_after_clean_steps(3, 1, settle=False)
     found = eng.step(settle=False)
     assert found and {v.request for v in found} == {"req-1"}
 
 
 def test_a_deferred_rows_damage_found_after_the_writes_is_drained_at_the_end():
-    eng = PagedEngine(seed=4)
-    for _ in range(4):
-        assert eng.step(settle=False) == []
-    r = eng.reqs[2]
-    r.blocks[0], r.blocks[1] = r.blocks[1], r.blocks[0]
+    eng = _swapped_after_clean_steps(4, 2, settle=False)
     found = eng.step(deferred=[False, False, True], settle=False)  # the last step: its row checked after
     found += eng.canary.drain()
     assert found and {v.request for v in found} == {"req-2"}
