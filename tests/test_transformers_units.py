@@ -217,3 +217,12 @@ def test_token_positions_run_from_each_rows_prefix(extend):
     want = [p + j for p, e in zip(prefix, extend) for j in range(e)]
     got = positions(np.array(prefix, dtype=np.int64), np.array(extend, dtype=np.int64), sum(extend))
     assert got.dtype == np.int64 and got.tolist() == want
+
+
+def test_table_rows_are_refused_where_no_launch_can_carry_them():
+    torch = pytest.importorskip("torch")
+    from kvcanary_cupy.integrations.engine.staging import ChangeUpload  # noqa: PLC0415
+
+    upload = ChangeUpload("cpu", rows_to=torch.zeros((2, 4), dtype=torch.int32))
+    with pytest.raises(ValueError, match="kvcanary: rows_from"):
+        upload.flush([], rows_from=(torch.zeros((1, 4), dtype=torch.int32), 1))

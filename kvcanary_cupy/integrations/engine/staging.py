@@ -175,6 +175,9 @@ class ChangeUpload:
         entries moved. ``rows_from`` (CUDA, with ``rows_to``): ``(table, n)``, a contiguous-row
         int32 CUDA tensor whose rows ``0 .. n - 1`` go to ``rows_to``'s rows named by the
         step rows' first ``n`` words, in the same launch."""
+        if rows_from is not None and not (self.cuda and self.steps is not None and self._rows_to is not None):
+            raise ValueError("kvcanary: rows_from: table rows travel only in a CUDA launch made with step rows "
+                             "and rows_to; copy them with the framework instead")
         tables = [t for t in tables if not t.cpu]
         changes = [t.take() for t in tables]
         total = sum(len(c[0]) for c in changes if c is not None)
