@@ -1,10 +1,9 @@
 """The CUDA kernels compile, without a GPU, with every name expression the backend uses.
 
-NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel through ``cuda-bindings``
-(``pip install "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14"``); no driver
-is needed. Each module is compiled to a cubin for sm_80 and sm_90 with the same
-text and options CuPy gets (common header inlined, no include path), so a
-source that needs a CUDA toolkit header fails here as it would under CuPy.
+NVRTC comes from ``cuda-bindings`` (``tests/nvrtc.py``); no driver is needed. Each
+module is compiled to a cubin for sm_80 and sm_90 with the same text and options CuPy
+gets (common header inlined, no include path), so a source that needs a CUDA toolkit
+header fails here as it would under CuPy.
 The bench's own kernels (``bench/probes.cu``, not in the library's table) are
 compiled the same way, with the header inlined as the bench inlines it.
 
@@ -22,6 +21,7 @@ from kvcanary_cupy import format as fmt
 from kvcanary_cupy import ops
 from kvcanary_cupy.backends import cuda as cuda_backend
 from kvcanary_cupy.backends import cuda_sources
+from tests.nvrtc import compile_cubin
 
 ARCHS = ("sm_80", "sm_90")
 BENCH_PROBES = "bench/probes.cu"  # compiled by the bench, not by the library
@@ -37,48 +37,12 @@ def _module(family: str):
     return spec.file, spec.options, spec.name_expressions, cuda_sources.source(family)
 
 
-def _nvrtc():
-    try:
-        from cuda.bindings import nvrtc  # noqa: PLC0415
-    except ImportError:
-        pytest.skip('cuda.bindings is not importable: pip install "cuda-bindings>=13,<14" "nvidia-cuda-nvrtc>=13,<14"')
-    try:
-        nvrtc.nvrtcVersion()
-    except Exception as e:  # noqa: BLE001  (bindings present, libnvrtc missing)
-        pytest.skip(f"cuda.bindings cannot load NVRTC ({e}): pip install nvidia-cuda-nvrtc")
-    return nvrtc
-
-
-def _ok(nvrtc, result, what):
-    err = result[0] if isinstance(result, tuple) else result
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{what}: {err}"
-    return result[1:] if isinstance(result, tuple) else ()
-
-
 @pytest.mark.parametrize("family,arch", CASES)
 def test_module_compiles(family, arch):
-    nvrtc = _nvrtc()
     file, options, name_expressions, src = _module(family)
     assert "#include" not in src, "the compiled text must not need any header"
-    (prog,) = _ok(nvrtc, nvrtc.nvrtcCreateProgram(src.encode(), file.encode(), 0, [], []), "create")
-    try:
-        for ne in name_expressions:
-            _ok(nvrtc, nvrtc.nvrtcAddNameExpression(prog, ne.encode()), f"add {ne}")
-        opts = [o.encode() for o in options] + [f"-arch={arch}".encode()]
-        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        (size,) = _ok(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        text = log.decode(errors="replace").strip(" \x00\n")
-        assert res == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{file} for {arch}:\n{text}"
-        assert "warning" not in text, f"{file} for {arch} compiles with warnings:\n{text}"
-        for ne in name_expressions:
-            (lowered,) = _ok(nvrtc, nvrtc.nvrtcGetLoweredName(prog, ne.encode()), f"lowered {ne}")
-            assert lowered, ne
-        (cubin_size,) = _ok(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        assert cubin_size > 0
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    log = compile_cubin(src, file, options, name_expressions, arch)
+    assert "warning" not in log, f"{file} for {arch} compiles with warnings:\n{log}"
 
 
 def test_backend_uses_only_listed_names():
