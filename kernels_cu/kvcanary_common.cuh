@@ -257,6 +257,46 @@ __device__ __forceinline__ i64 block_scan(i64 v, i64* scratch, i64& total) {
     return (w > 0 ? scratch[w - 1] : 0) + incl;
 }
 
+// block_scan of two values at once, for the latency of one: inclusive sums of a and b,
+// their totals in ta and tb (every thread). `scratch` holds two values per warp.
+__device__ __forceinline__ void block_scan2(i64& a, i64& b, i64* scratch, i64& ta, i64& tb) {
+    const unsigned lane = lane_id(), w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    for (int d = 1; d < 32; d <<= 1) {
+        const i64 x = __shfl_up_sync(FULL_MASK, a, d), y = __shfl_up_sync(FULL_MASK, b, d);
+        if ((int)lane >= d) {
+            a += x;
+            b += y;
+        }
+    }
+    __syncthreads();  // a previous use of scratch is over
+    if (lane == 31) {
+        scratch[w] = a;
+        scratch[32 + w] = b;
+    }
+    __syncthreads();
+    if (w == 0) {
+        i64 x = lane < nw ? scratch[lane] : 0, y = lane < nw ? scratch[32 + lane] : 0;
+        for (int d = 1; d < 32; d <<= 1) {
+            const i64 u = __shfl_up_sync(FULL_MASK, x, d), v = __shfl_up_sync(FULL_MASK, y, d);
+            if ((int)lane >= d) {
+                x += u;
+                y += v;
+            }
+        }
+        if (lane < nw) {
+            scratch[lane] = x;
+            scratch[32 + lane] = y;
+        }
+    }
+    __syncthreads();
+    ta = scratch[nw - 1];
+    tb = scratch[32 + nw - 1];
+    if (w > 0) {
+        a += scratch[w - 1];
+        b += scratch[32 + w - 1];
+    }
+}
+
 // Waits until *p >= at_least, another block's store; returns the value seen. A plain
 // (volatile) load, not an atomic: polling must not slow the atomics. Backs off from
 // KVC_POLL_MIN_NS to KVC_POLL_MAX_NS. Only for a value a running block will store.

@@ -79,8 +79,8 @@ struct PlanArgs {
 // the counters' atomics) the scan published (0 / 1), and per row of the small route: its
 // verdict (0, or UNREADABLE once a tile found a position unreadable), the entries its
 // tiles counted as checked (plan_and_verify), and, for a tail that writes (step.cu), its
-// seed state: the link after its seed record, that record's position and 1 once
-// published. The last block out zeroes it (the seed states: the tail that reads them).
+// seed state: the link after its seed record, that record's position and, once
+// published, the seed's slot + 1 (0 before). The last block out zeroes it (the seed states: the tail that reads them).
 inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_SCANNED = 16;
 // bs - r for the first row r whose extend length is out of range (a running max; 0: none).
 inline constexpr int SYNC_UNKNOWN_SPAN = 4;
@@ -612,13 +612,14 @@ namespace kvc {
 // --- one launch: a route, then the last block out ------------------------------------
 // What the last block out runs after the plan (step.cu's write); by default nothing. A tail
 // may load what it needs at the start of the launch (prefetch, every block) and keep it
-// (stash, after the rows' inputs are read), and may ask for the rows' seed states (kSeeds).
+// (stash, after the rows' inputs are read), and may ask for the rows' seed states (kSeeds);
+// on the small route it gets the rows as the last block's finish left them (SmallRows).
 struct NoTail {
     static constexpr bool kSeeds = false;
     struct Prefetched {};
     __device__ __forceinline__ Prefetched prefetch() const { return {}; }
     __device__ __forceinline__ void stash(const Prefetched&) const {}
-    __device__ __forceinline__ void last_block(const PlanArgs&, const CheckArgs*) const {}
+    __device__ __forceinline__ void last_block(const PlanArgs&, const CheckArgs*, const SmallRows*) const {}
 };
 
 // The whole plan in one launch (see the routes at the top of the file); with
@@ -627,7 +628,7 @@ struct NoTail {
 // are over by then.
 template <bool kVerify, bool kFp, bool kScan, typename Tail = NoTail>
 __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c, const Tail& tail = Tail{}) {
-    __shared__ i64 sh[33];
+    __shared__ i64 sh[65];  // block sums and scans: up to two values per warp, and one more
     __shared__ i64 s_row, s_seed;
     __shared__ int s_scan, s_last;
     __shared__ i64 s_phase;
@@ -749,7 +750,7 @@ __device__ __forceinline__ void plan_body(const PlanArgs& a, const CheckArgs* c,
         }
     }
     __syncthreads();  // the plan's scalars and offsets, written by this block, before the tail reads them
-    tail.last_block(a, c);
+    tail.last_block(a, c, small ? &s_small : nullptr);
 }
 
 __global__ void __launch_bounds__(256, 4) plan_step(PlanArgs a) { plan_body<false, false, false>(a, nullptr); }

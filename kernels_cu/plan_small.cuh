@@ -34,6 +34,14 @@ namespace kvc {
 inline constexpr int SMALL_TILE = 256;  // entries per tile: blockDim (the launch bounds)
 inline constexpr i64 UNREADABLE = 2;    // a row's verdict word: a warp found a position unreadable
 inline constexpr i64 ENTRY_BITS = 32;   // SmallRows::ends: tiles above, entries below
+inline constexpr i64 SEED_FROM_TILES = -3;  // SmallRows::wseed: the seed the row's tiles stored
+// small_finish's packed sums: verify counts below bit FINISH_UNKNOWN (a small step has at most
+// SMALL_ROWS * SMALL_ROW_MAX = 2**21 entries), then two 9-bit counts of rows.
+inline constexpr int FINISH_UNKNOWN = 22, FINISH_ERROR = 31;
+inline constexpr i64 FINISH_FIELD_LOW = (1LL << FINISH_UNKNOWN) - 1, FINISH_FIELD = (1LL << 9) - 1;
+static_assert((i64)SMALL_ROWS * SMALL_ROW_MAX < (1LL << FINISH_UNKNOWN) && SMALL_ROWS < 512 &&
+                  FINISH_ERROR == FINISH_UNKNOWN + 9,
+              "small_finish's packed sums hold every count of a small step");
 
 struct SmallRows {
     i64 rp[SMALL_ROWS], P[SMALL_ROWS], E[SMALL_ROWS];
@@ -42,6 +50,9 @@ struct SmallRows {
     // Inclusive prefix sums over the rows, if every row is valid: tiles << ENTRY_BITS | entries.
     i64 ends[SMALL_ROWS];
     i64 offset[SMALL_ROWS];  // the last block, plan with unreadable rows: a valid row's offset, else -1
+    // The last block, for a tail that writes: each row's write end (the write plan's offsets[r + 1])
+    // and its seed as the finish decided it (SEED_SKIP, -1, or SEED_FROM_TILES: the one its tiles stored).
+    i64 wend[SMALL_ROWS], wseed[SMALL_ROWS];
     i64 tiles, entries;      // totals over the rows
     i64 writes;              // the rows' write lengths, summed over the rows whose inputs are in range
     u64 invalid;             // warps of this block that found a position unreadable
@@ -185,7 +196,7 @@ __device__ __forceinline__ void small_tiles(const PlanArgs& a, const CheckArgs* 
                 i64* st = sync + SYNC_SEEDS + r * SEED_WORDS;
                 st[0] = (i64)next_link<kScan>(rec);
                 st[1] = rec.position;
-                st[2] = 1;
+                st[2] = slot + 1;  // the seed (read, so in range): the tail need not load it
             }
             // The warp's count, kept per row: the last block takes it back if the row is unreadable.
             const unsigned counted = __ballot_sync(FULL_MASK, checked != was);
@@ -259,9 +270,15 @@ __device__ __forceinline__ i64 small_finish(const PlanArgs& a, const CheckArgs* 
         known = span_known(a, s.E[r]);
         wc = known ? s.E[r] : 0;
     }
+    // One scan for the sums the finish needs: the verify counts (below FINISH_UNKNOWN), the rows
+    // of unknown span and the rows in error (9 bits each: at most SMALL_ROWS), and the write
+    // counts beside them.
+    i64 packed = vc | (i64)!known << FINISH_UNKNOWN | (i64)error << FINISH_ERROR, wi = wc, pt, wt;
+    block_scan2(packed, wi, scratch, pt, wt);
+    const i64 vi = packed & FINISH_FIELD_LOW, vt = pt & FINISH_FIELD_LOW;
+    const i64 unknown = (pt >> FINISH_UNKNOWN) & FINISH_FIELD, errors = (pt >> FINISH_ERROR) & FINISH_FIELD;
     // The rows after the first whose span is unknown stamp nothing, as do invalid rows.
-    i64 unknown;
-    const i64 after = block_scan((i64)!known, scratch, unknown) - (i64)!known;
+    const i64 after = ((packed >> FINISH_UNKNOWN) & FINISH_FIELD) - (i64)!known;
     const bool stamps = valid && after == 0;
     // The seeds the tiles stored before this block's store over them (rare: only a step with an
     // unknown span has valid rows that stamp nothing; one with unreadable rows fenced already).
@@ -271,21 +288,20 @@ __device__ __forceinline__ i64 small_finish(const PlanArgs& a, const CheckArgs* 
         if (!stamps) a.wp_seeds[r] = SEED_SKIP;
         else if (n == 0) a.wp_seeds[r] = -1;
     }
-    const i64 errors = __syncthreads_count(error);
-    const i64 unstamped = __syncthreads_count(r < a.bs && s.rp[r] != PADDING_REQ && !stamps);
+    if (r < a.bs) {
+        s.wend[r] = wi;
+        s.wseed[r] = !stamps ? SEED_SKIP : n == 0 ? -1 : SEED_FROM_TILES;
+    }
+    // Without a row of unknown span every valid row stamps: the unstamped live rows are those in error.
+    const i64 unstamped = unknown == 0 ? errors : __syncthreads_count(r < a.bs && s.rp[r] != PADDING_REQ && !stamps);
     __shared__ i64 s_first;
     i64 first_error = -1;
     if (errors != 0) {  // uniform; rare
-        i64 total;
-        const i64 before = block_scan((i64)error, scratch, total) - (i64)error;
-        if (error && before == 0) s_first = r;
+        if (error && ((packed >> FINISH_ERROR) & FINISH_FIELD) == 1) s_first = r;
         __syncthreads();
         first_error = s_first;
     }
     const i64 undone = kVerify && invalid != 0 ? block_sum(undo, scratch) : 0;  // thread 0
-    i64 vt, wt;
-    const i64 vi = block_scan(vc, scratch, vt);
-    const i64 wi = block_scan(wc, scratch, wt);
     if (r < a.bs) a.vp_offsets[r + 1] = vi;
     if (a.wp_offsets != nullptr && r < a.bs) a.wp_offsets[r + 1] = wi;
     if (!kVerify && invalid != 0) {

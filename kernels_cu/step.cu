@@ -107,7 +107,8 @@ struct StepWrite {
         sh.epos[i] = f.epos;
     }
 
-    __device__ void last_block(const PlanArgs& p, const CheckArgs*) const {
+    // sm: the small route's rows, as the finish left them (nullptr on the block route).
+    __device__ void last_block(const PlanArgs& p, const CheckArgs*, const SmallRows* sm) const {
         StepShared& sh = step_shared();
         const int i = (int)threadIdx.x;
         const i64 N = w.num_slots;
@@ -131,14 +132,23 @@ struct StepWrite {
             i64 o0 = 0, o1 = 0, seed = -1, published = 0, x_pub = 0, pos_pub = 0;
             i64* st = p.sync + SYNC_SEEDS + r * SEED_WORDS;
             if (r < nrows) {
-                o0 = __ldcg(w.offsets + r);
-                o1 = __ldcg(w.offsets + r + 1);
-                seed = __ldcg(w.seeds + r);
+                if (sm != nullptr) {  // the small route: this block's finish left the row's span and seed here
+                    o0 = r > 0 ? sm->wend[r - 1] : 0;
+                    o1 = sm->wend[r];
+                    seed = sm->wseed[r];
+                } else {
+                    o0 = __ldcg(w.offsets + r);
+                    o1 = __ldcg(w.offsets + r + 1);
+                    seed = __ldcg(w.seeds + r);
+                }
                 if (r < SMALL_ROWS) {
                     x_pub = __ldcg(st);
                     pos_pub = __ldcg(st + 1);
                     published = __ldcg(st + 2);
                 }
+                // A published seed state names its seed; a row whose seed record no check read
+                // (its slot out of range, or no tokens to write) takes the one its tiles stored.
+                if (seed == SEED_FROM_TILES) seed = published != 0 ? published - 1 : __ldcg(w.seeds + r);
             }
             const bool skip = seed == SEED_SKIP;  // the plan skipped (and counted) the row
             const bool span_bad = r < nrows && !skip && (o0 < 0 || o1 > avail || o1 < o0);
@@ -150,7 +160,7 @@ struct StepWrite {
                 u64 x = first_link<kScan>();
                 int has = 0;
                 i64 pos = 0;
-                if (seed >= 0 && published == 1) {  // the state after the seed record its check read
+                if (seed >= 0 && published != 0) {  // the state after the seed record its check read
                     x = (u64)x_pub;
                     has = 1;
                     pos = pos_pub;
