@@ -32,6 +32,7 @@ SCENARIOS = {"not-installed": (NOT_INSTALLED, TORCH_NOT_INSTALLED), "no-device":
 ENTRY_POINTS = {
     "bench": True,
     "bench.monitor_host_overhead": True,
+    "bench.step_phases": False,
     "bench.selfcheck": False,
     "bench.tp_agreement_cost": False,
     "bench.transformers_overhead": True,
