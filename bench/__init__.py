@@ -18,7 +18,8 @@ itself, whose figures mean nothing.
 
 Also here: ``python -m bench.monitor_host_overhead`` (host time of the monitor's step
 with bound buffers) and ``python -m bench.selfcheck`` (host time per op against a bare
-launch, verify bandwidth against a copy), both on a GPU; ``probes.cu`` holds the kernels
+launch, verify bandwidth against a copy), both on a GPU, and ``python -m bench.step_phases``
+(a stamped decode step's device time phase by phase); ``probes.cu`` holds the kernels
 the bench times beside the library's, ``torch_baseline.py`` the PyTorch baseline (both
 chain kinds), ``monitor_steps.py`` the monitor the monitor cases run, and ``README.md`` /
 ``results.json`` the figures of the last full run.
