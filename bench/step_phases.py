@@ -119,14 +119,14 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(time_steps(batches, args.runs)))
         return 0
-    from kvcanary_cupy.backends.cuda_sources import ENV_DIR, kernels_dir  # noqa: PLC0415
+    from kvcanary_cupy.backends import cuda_sources  # noqa: PLC0415
 
     results = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="kvcanary-phases-") as tmp:
-        dirs = build_variants(kernels_dir(), Path(tmp))
+        dirs = build_variants(cuda_sources.kernels_dir(), Path(tmp))
         for _ in range(args.rounds):
             for v in VARIANTS:
-                env = dict(os.environ, **{ENV_DIR: str(dirs[v])})
+                env = dict(os.environ, **{cuda_sources.ENV_DIR: str(dirs[v])})
                 cmd = [sys.executable, "-m", "bench.step_phases", "--one", "--batches", args.batches,
                        "--runs", str(args.runs)]
                 got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
