@@ -34,6 +34,11 @@ namespace kvc {
 inline constexpr int SMALL_TILE = 256;  // entries per tile: blockDim (the launch bounds)
 inline constexpr i64 UNREADABLE = 2;    // a row's verdict word: a warp found a position unreadable
 inline constexpr i64 ENTRY_BITS = 32;   // SmallRows::ends: tiles above, entries below
+// small_rows's scan: the rows too long for the route counted above the tiles (at most SMALL_ROWS).
+inline constexpr int TOO_LONG_BIT = 48;
+inline constexpr i64 TILES_AND_ENTRIES = (1LL << TOO_LONG_BIT) - 1;
+static_assert((i64)SMALL_ROWS * ((SMALL_ROW_MAX + SMALL_TILE) / SMALL_TILE) < (1LL << (TOO_LONG_BIT - ENTRY_BITS)),
+              "small_rows's tile count stays below the count of rows too long");
 inline constexpr i64 SEED_FROM_TILES = -3;  // SmallRows::wseed: the seed the row's tiles stored
 // small_finish's packed sums: verify counts below bit FINISH_UNKNOWN (a small step has at most
 // SMALL_ROWS * SMALL_ROW_MAX = 2**21 entries), then two 9-bit counts of rows.
@@ -89,17 +94,17 @@ __device__ __forceinline__ bool small_rows(const PlanArgs& a, bool digest, Small
         if (n > SMALL_ROW_MAX) n = SMALL_ROW_MAX + 1;  // too long: keeps the sums below small
         tiles = (n + blockDim.x - 1) / blockDim.x;
     }
-    const bool fits = __syncthreads_and(n <= SMALL_ROW_MAX);
-    // Both sums in one scan: entries < 2**22 and tiles < 2**15 whenever the route is taken.
-    i64 total;
-    const i64 incl = block_scan((tiles << ENTRY_BITS) | n, scratch, total);
-    if (r < a.bs) s.ends[r] = incl;
+    // Every sum in one scan of two values: entries (< 2**22), tiles (< 2**15) and the rows too
+    // long for the route (a count at TOO_LONG_BIT) in the first, the write lengths in the second.
+    i64 incl = tiles << ENTRY_BITS | n | (i64)(n > SMALL_ROW_MAX) << TOO_LONG_BIT, writes = w, total, wtotal;
+    block_scan2(incl, writes, scratch, total, wtotal);
+    const bool fits = (total >> TOO_LONG_BIT) == 0;
+    if (r < a.bs) s.ends[r] = incl & TILES_AND_ENTRIES;
     const i64 entries = total & ((1LL << ENTRY_BITS) - 1);
-    const i64 writes = block_sum(w, scratch);
     if (threadIdx.x == 0) {
-        s.tiles = total >> ENTRY_BITS;
+        s.tiles = (total & TILES_AND_ENTRIES) >> ENTRY_BITS;
         s.entries = entries;
-        s.writes = writes;
+        s.writes = wtotal;
         s.invalid = 0;
     }
     __syncthreads();
