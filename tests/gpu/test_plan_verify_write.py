@@ -8,7 +8,8 @@ writes in the same step (the check sees the record as it was; the next step flag
 two rows writing one slot (the later row wins), a step whose plan leaves the small
 route (a row longer than 8192 positions) or overflows its verify plan (nothing is
 verified, the write still stamps), inputs shorter than the plan's tokens, both chain
-kinds, and a capture in a CUDA graph replayed with refilled inputs.
+kinds, a seed the check could not read (past the pool, the reserved slot), and a capture
+in a CUDA graph replayed with refilled inputs.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy import format as fmt
 from kvcanary_cupy.runtime import to_host
 
 pytestmark = pytest.mark.gpu
@@ -174,6 +176,32 @@ def test_a_long_row_and_an_overflowing_plan_still_stamp(cp):
         r = same(ref, dev)
         assert r["counters"]["verifies_skipped"] == (capacity < 9012)
         assert tuple(r["records"][9001, :2]) == (100, 9000)
+
+
+def test_a_seed_its_check_could_not_read(cp):
+    """A row whose seed (the slot of its last read position) is past the pool or is the
+    reserved slot: the check reports it and publishes no seed state, so the write takes the
+    seed the plan stored, as plan, verify and write do. Past the pool, the write reports the
+    seed and stamps nothing of that row; the reserved slot's record seeds the chain."""
+    N = 4096
+    ref, dev = pair(cp, num_slots=N)
+    table = np.zeros((4, 64), np.int32)
+    for r in (1, 2, 3):
+        table[r] = np.arange(100 * r, 100 * r + 64)
+    prefill((ref, dev), table, [1, 2, 3], [8, 8, 8])
+    table[1, 7] = N + 5  # row 1's seed: past the pool
+    table[2, 7] = 0  # row 2's seed: the reserved slot
+    d = decode_inputs(table, [1, 2, 3], [8, 8, 8])
+    for s in (ref, dev):
+        s.step(table, d["rpi"], d["pre"], d["ext"], d["ids"], d["pos"], d["loc"], fused=True)
+    r = same(ref, dev)
+    col = fmt.VIOLATION_COLUMNS.index
+    write_rows = {(row[col("slot")], row[col("fail_bits")]) for row in r["rows"] if row[0] == int(kc.LaunchTag.WRITE)}
+    assert (N + 5, int(kc.FailReason.SLOT_OUT_OF_RANGE)) in write_rows
+    check_rows = {(row[col("slot")], row[col("fail_bits")]) for row in r["rows"] if row[0] == int(kc.LaunchTag.VERIFY)}
+    assert {(N + 5, int(kc.FailReason.SLOT_OUT_OF_RANGE)), (0, int(kc.FailReason.RESERVED_SLOT))} <= check_rows
+    assert not r["records"][108].any()  # row 1 stamped nothing
+    assert r["records"][208, 1] == 8 and r["records"][308, 1] == 8
 
 
 def test_random_steps_with_faults_and_checks(cp):
