@@ -36,6 +36,7 @@ PREFIX, NUM_SLOTS = 4096, 1 << 24
 # of them, so each variant leaves out more than the one before it.
 _TAIL_END = "        // 3. Each token: checks, then the store of its slot's last write.\n"
 _TAIL_INIT = "            sh.last[k] = -1;\n        }\n        __syncthreads();\n"
+_TILES = "        small_tiles<kVerify, kFp, kScan, Tail::kSeeds>(a, c, s_small, kVerify ? s_phase : -1, checked);\n"
 _CUTS = [
     ("tail_walk", "step.cu", _TAIL_END, "        return;\n" + _TAIL_END),
     ("tail_start", "step.cu", _TAIL_INIT, _TAIL_INIT + "        return;\n"),
@@ -43,9 +44,7 @@ _CUTS = [
      "    if constexpr (!Tail::kSeeds) tail.last_block(a, c, small ? &s_small : nullptr);\n}"),
     ("no_finish", "plan.cu", "        first_error = small_finish<kVerify>(a, c, s_small, s_invalid, sh);\n",
      "        first_error = Tail::kSeeds ? -1 : small_finish<kVerify>(a, c, s_small, s_invalid, sh);\n"),
-    ("no_tiles", "plan.cu", "        small_tiles<kVerify, kFp, kScan, Tail::kSeeds>(a, c, s_small, kVerify ? s_phase : -1, "
-     "checked);\n", "        if constexpr (!Tail::kSeeds) small_tiles<kVerify, kFp, kScan, Tail::kSeeds>(a, c, s_small, "
-     "kVerify ? s_phase : -1, checked);\n"),
+    ("no_tiles", "plan.cu", _TILES, "        if constexpr (!Tail::kSeeds)" + _TILES[7:]),
     ("empty", "plan.cu", "const Tail& tail = Tail{}) {\n",
      "const Tail& tail = Tail{}) {\n    if constexpr (Tail::kSeeds) return;\n"),
 ]

@@ -79,8 +79,9 @@ struct PlanArgs {
 // the counters' atomics) the scan published (0 / 1), and per row of the small route: its
 // verdict (0, or UNREADABLE once a tile found a position unreadable), the entries its
 // tiles counted as checked (plan_and_verify), and, for a tail that writes (step.cu), its
-// seed state: the link after its seed record, that record's position and, once
-// published, the seed's slot + 1 (0 before). The last block out zeroes it (the seed states: the tail that reads them).
+// seed state: the link after its seed record, that record's position and, once published,
+// the seed's slot + 1 (0 before). The last block out zeroes it (the seed states: the tail
+// that reads them).
 inline constexpr int SYNC_ROWS_CLAIMED = 0, SYNC_ROWS_DONE = 1, SYNC_EXITED = 2, SYNC_DIGEST = 3, SYNC_SCANNED = 16;
 // bs - r for the first row r whose extend length is out of range (a running max; 0: none).
 inline constexpr int SYNC_UNKNOWN_SPAN = 4;

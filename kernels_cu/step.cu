@@ -147,7 +147,8 @@ struct StepWrite {
                     published = __ldcg(st + 2);
                 }
                 // A published seed state names its seed; a row whose seed record no check read
-                // (its slot out of range, or no tokens to write) takes the one its tiles stored.
+                // (its slot out of range or reserved, or a row with no tokens to write) takes the
+                // one its tiles stored.
                 if (seed == SEED_FROM_TILES) seed = published != 0 ? published - 1 : __ldcg(w.seeds + r);
             }
             const bool skip = seed == SEED_SKIP;  // the plan skipped (and counted) the row
