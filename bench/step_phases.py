@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 PREFIX, NUM_SLOTS = 4096, 1 << 24
+MAX_BATCH = 256  # a decode step of more rows has more tokens than plan_verify_write stamps
 
 # The cuts, in order: (variant, file, anchor, replacement). Variant k applies the first k
 # of them, so each variant leaves out more than the one before it.
@@ -100,13 +101,24 @@ def time_steps(batches: list, runs: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.step_phases", description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1,64", help="comma-separated batch sizes (default 1,64; at most 256)")
+    ap.add_argument("--batches", default="1,64", help=f"comma-separated batch sizes (default 1,64; at most {MAX_BATCH})")
     ap.add_argument("--runs", type=int, default=60, help="timed runs per figure (default 60)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds over the variants, interleaved (default 2)")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a variant's own process
     args = ap.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or not all(1 <= b <= MAX_BATCH for b in batches):
+        print(f"kvcanary: --batches: expected comma-separated batch sizes in 1..{MAX_BATCH} (a decode step the "
+              f"monitor stamps in one launch), got {args.batches!r}", file=sys.stderr)
+        return 2
+    for name in ("runs", "rounds"):
+        if getattr(args, name) < 1:
+            print(f"kvcanary: --{name}: expected >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     from .platforms import NoCudaDevice, cuda_device_count  # noqa: PLC0415
 
     try:

@@ -50,3 +50,12 @@ def test_report_gives_each_phase_as_a_difference():
     for line in phases:
         expected = [" 4.00 ", " 2.00 "] if line.startswith("| the launch") else [" 1.00 ", " 0.50 "]
         assert line.split("|")[2:4] == expected, line
+
+
+@pytest.mark.parametrize("argv,named", [(["--batches", "0,64"], "--batches"), (["--batches", "512"], "--batches"),
+                                        (["--batches", "a"], "--batches"), (["--runs", "0"], "--runs"),
+                                        (["--rounds", "0"], "--rounds")])
+def test_misuse_is_one_line_naming_the_argument(argv, named, capsys):
+    assert step_phases.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvcanary: {named}: expected") and "\n" not in err
