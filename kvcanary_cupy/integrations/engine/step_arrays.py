@@ -19,7 +19,7 @@ def host_array(a, dtype=np.int64) -> np.ndarray:
 
 def positions(prefix, extend, total: int) -> np.ndarray:
     """Each token's position, host int64 ``[total]``: row after row, ``prefix[r] .. prefix[r] + extend[r] - 1``."""
-    if total == len(extend) and (total == 0 or int(np.max(extend)) == 1):  # one token a row: a decode step
+    if total == len(extend) and bool(np.all(np.asarray(extend) == 1)):  # one token a row: a decode step
         return np.array(prefix, dtype=np.int64)
     starts = np.cumsum(extend) - extend
     return np.repeat(np.asarray(prefix) - starts, extend) + np.arange(total, dtype=np.int64)
