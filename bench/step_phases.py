@@ -16,6 +16,13 @@ apply to the step's launch only; the prefill that stamps the prefixes runs whole
 The difference between two neighbouring variants is the time of the phase cut between
 them; the cut kernels compute wrong results, only their time means anything.
 
+    python -m bench.step_phases --code-in-l2 [--batches 1,64] [--runs 60] [--rounds 2]
+
+times the library's kernel alone three ways: flushed, flushed with its code in L2 (a
+one-token step of the same kernel on another monitor runs between the flush and the timed
+step), and warm. Their first difference is what fetching the kernel's own instructions
+from DRAM costs the step, as a real engine's forward leaves it.
+
 Needs CuPy and a CUDA device.
 """
 from __future__ import annotations
@@ -78,8 +85,9 @@ def build_variants(src: Path, dest: Path) -> dict:
     return out
 
 
-def time_steps(batches: list, runs: int) -> dict:
-    """Device us of the stamped step at each batch, with and without the L2 flush (this process's kernels)."""
+def time_steps(batches: list, runs: int, code_in_l2: bool = False) -> dict:
+    """Device us of the stamped step at each batch, with and without the L2 flush (this process's
+    kernels); with ``code_in_l2``, also flushed with the kernel's code brought back into L2 first."""
     from . import monitor_steps, workloads  # noqa: PLC0415
     from .platforms import CudaPlatform  # noqa: PLC0415
 
@@ -87,13 +95,21 @@ def time_steps(batches: list, runs: int) -> dict:
     try:
         setup = monitor_steps.build(p.cp, p.device, batch=max(batches), prefix=PREFIX, num_slots=NUM_SLOTS,
                                     rs=workloads.random_state(p.cp, 31337 + PREFIX), stamp=True, stream=p.stream)
+        # A one-token step of the same kernel over a small pool of its own: between the flush and
+        # the timed step it brings the kernel's instructions into L2, and none of the step's data.
+        fetch = monitor_steps.build(p.cp, p.device, batch=1, prefix=64, num_slots=1 << 16,
+                                    rs=workloads.random_state(p.cp, 7), stamp=True,
+                                    stream=p.stream) if code_in_l2 else None
         out = {}
         for bs in batches:
             step = setup.step(bs)
             for flush in (True, False):
                 t = p.timer.device(lambda _i: step(), runs=runs, warmup=5, flush=flush)
                 out[f"{bs}/{'flushed' if flush else 'warm'}"] = t.device_us
-        out["violations"] = setup.checks()["violations"]
+            if fetch is not None:
+                t = p.timer.device(lambda _i: step(), runs=runs, warmup=5, flush=True, before=fetch.step(1))
+                out[f"{bs}/code in L2"] = t.device_us
+        out["violations"] = setup.checks()["violations"] + (fetch.checks()["violations"] if fetch else 0)
         return out
     finally:
         p.close()
@@ -105,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=60, help="timed runs per figure (default 60)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds over the variants, interleaved (default 2)")
     ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--code-in-l2", action="store_true",
+                    help="time the library's kernel alone, flushed, flushed with its code in L2, and warm")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a variant's own process
     args = ap.parse_args(argv)
     try:
@@ -129,6 +147,12 @@ def main(argv=None) -> int:
         return 2
     if args.one:
         print(json.dumps(time_steps(batches, args.runs)))
+        return 0
+    if args.code_in_l2:
+        rounds = [time_steps(batches, args.runs, code_in_l2=True) for _ in range(args.rounds)]
+        print(report_code(rounds, batches))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rounds, indent=2))
         return 0
     from kvcanary_cupy.backends import cuda_sources  # noqa: PLC0415
 
@@ -166,6 +190,18 @@ def report(results: dict, batches: list) -> str:
     lines.append("| the launch of an empty step (empty) | " + " | ".join(f"{med['empty'][k]:.2f}" for k in keys) + " |")
     lines.append("")
     lines.append("violations of the whole kernel's runs: " + ", ".join(str(r["violations"]) for r in results["whole"]))
+    return "\n".join(lines)
+
+
+def report_code(rounds: list, batches: list) -> str:
+    """A table of ``--code-in-l2``: per batch, the medians over rounds and what the code's fetch costs."""
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "violations"}
+    lines = ["| batch | flushed us | flushed, code in L2 us | warm us | the code's fetch from DRAM us |",
+             "|---:|---:|---:|---:|---:|"]
+    for b in batches:
+        f, c, w = med[f"{b}/flushed"], med[f"{b}/code in L2"], med[f"{b}/warm"]
+        lines.append(f"| {b} | {f:.2f} | {c:.2f} | {w:.2f} | {f - c:.2f} |")
+    lines += ["", "violations: " + ", ".join(str(r["violations"]) for r in rounds)]
     return "\n".join(lines)
 
 

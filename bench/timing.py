@@ -81,12 +81,14 @@ class _Timer:
     def _elapsed_us(self, pair) -> float:
         raise NotImplementedError
 
-    def device(self, fn, *, runs: int, warmup: int = 3, flush: bool = False, budget_s: float | None = None) -> Timing:
+    def device(self, fn, *, runs: int, warmup: int = 3, flush: bool = False, budget_s: float | None = None,
+               before=None) -> Timing:
         """Time ``fn(i)`` (i = run index, for rotating input sets) run by run.
 
         The first warm-up run is timed on the wall clock; when ``runs`` of that
         length would exceed ``budget_s``, fewer runs are taken (at least 3) and
-        one warm-up suffices.
+        one warm-up suffices. ``before()``, if given, queues work after the hold and
+        the flush of each timed run, outside its interval.
         """
         self.sync()
         t0 = time.perf_counter()
@@ -109,6 +111,8 @@ class _Timer:
                 self.hold()
                 if flush:
                     self.flush()
+                if before is not None:
+                    before()
                 a, b = pairs[i] if pairs[i] is not None else (None, None)
                 self._record(a)
                 h0 = pc()

@@ -98,6 +98,29 @@ def test_every_timed_run_waits_behind_a_hold():
     assert seen == [0, 1, "hold", "flush", 0, "hold", "flush", 1, "hold", "flush", 2] and t.runs == 3
 
 
+def test_work_queued_before_a_run_lies_between_its_flush_and_its_interval():
+    """``before`` runs once per timed run, after its hold and flush, and never in a warm-up;
+    on the CUDA timer it is queued before the run's start event."""
+    from bench.timing import CudaTimer, WallTimer  # noqa: PLC0415
+
+    seen = []
+
+    class Recording(WallTimer):
+        def hold(self):
+            seen.append("hold")
+
+        def flush(self):
+            seen.append("flush")
+
+    Recording().device(lambda i: seen.append(i), runs=2, warmup=2, flush=True, before=lambda: seen.append("before"))
+    assert seen == [0, 1, "hold", "flush", "before", 0, "hold", "flush", "before", 1]
+    cp = _FakeCupy()
+    stream = type("S", (), {"synchronize": lambda self: None})()
+    CudaTimer(cp, stream, flush_bytes=1 << 20).device(lambda i: None, runs=3, warmup=1, flush=True,
+                                                      before=lambda: cp.log.append(("before", None)))
+    assert [k for k, _ in cp.log] == ["flush", "before", "record", "record"] * 3
+
+
 def test_select_filters_by_regex():
     s = C.select(C.full_suite(), r"^decode b1024")
     assert {c.batch for c in s.cases} == {1024} and len(s.cases) == 3

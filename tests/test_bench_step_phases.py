@@ -52,6 +52,16 @@ def test_report_gives_each_phase_as_a_difference():
         assert line.split("|")[2:4] == expected, line
 
 
+def test_code_report_takes_the_fetch_as_flushed_minus_code_in_l2():
+    rounds = [{"1/flushed": f, "1/code in L2": c, "1/warm": w, "64/flushed": 27.0, "64/code in L2": 25.5,
+               "64/warm": 21.0, "violations": 0} for f, c, w in ((16.0, 13.5, 11.5), (17.0, 13.9, 11.7),
+                                                                  (16.4, 13.6, 11.6))]
+    rows = [line.split("|")[1:-1] for line in step_phases.report_code(rounds, [1, 64]).splitlines()
+            if line.startswith("| 1 ") or line.startswith("| 64 ")]
+    assert [[c.strip() for c in r] for r in rows] == [["1", "16.40", "13.60", "11.60", "2.80"],
+                                                      ["64", "27.00", "25.50", "21.00", "1.50"]]
+
+
 @pytest.mark.parametrize("argv,named", [(["--batches", "0,64"], "--batches"), (["--batches", "512"], "--batches"),
                                         (["--batches", "a"], "--batches"), (["--runs", "0"], "--runs"),
                                         (["--rounds", "0"], "--rounds")])
