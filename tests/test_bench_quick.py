@@ -80,12 +80,9 @@ def test_rotation_exceeds_twice_l2_or_flushes():
     assert C.rotation(1000, 0, 8) == (1, False)  # no cache to defeat (CPU)
 
 
-def test_every_timed_run_waits_behind_a_hold():
-    """The device timer queues a hold (and the flush, when asked) before each timed run,
-    so a run's launches are never timed at the host's pace; warm-up runs need none."""
-    from bench.timing import WallTimer
-
-    seen = []
+def _recording_timer(seen: list):
+    """A wall-clock timer whose hold and flush append their names to ``seen``."""
+    from bench.timing import WallTimer  # noqa: PLC0415
 
     class Recording(WallTimer):
         def hold(self):
@@ -94,25 +91,25 @@ def test_every_timed_run_waits_behind_a_hold():
         def flush(self):
             seen.append("flush")
 
-    t = Recording().device(lambda i: seen.append(i), runs=3, warmup=2, flush=True)
+    return Recording()
+
+
+def test_every_timed_run_waits_behind_a_hold():
+    """The device timer queues a hold (and the flush, when asked) before each timed run,
+    so a run's launches are never timed at the host's pace; warm-up runs need none."""
+    seen = []
+    t = _recording_timer(seen).device(lambda i: seen.append(i), runs=3, warmup=2, flush=True)
     assert seen == [0, 1, "hold", "flush", 0, "hold", "flush", 1, "hold", "flush", 2] and t.runs == 3
 
 
 def test_work_queued_before_a_run_lies_between_its_flush_and_its_interval():
     """``before`` runs once per timed run, after its hold and flush, and never in a warm-up;
     on the CUDA timer it is queued before the run's start event."""
-    from bench.timing import CudaTimer, WallTimer  # noqa: PLC0415
+    from bench.timing import CudaTimer  # noqa: PLC0415
 
     seen = []
-
-    class Recording(WallTimer):
-        def hold(self):
-            seen.append("hold")
-
-        def flush(self):
-            seen.append("flush")
-
-    Recording().device(lambda i: seen.append(i), runs=2, warmup=2, flush=True, before=lambda: seen.append("before"))
+    _recording_timer(seen).device(lambda i: seen.append(i), runs=2, warmup=2, flush=True,
+                                  before=lambda: seen.append("before"))
     assert seen == [0, 1, "hold", "flush", "before", 0, "hold", "flush", "before", 1]
     cp = _FakeCupy()
     stream = type("S", (), {"synchronize": lambda self: None})()
