@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.step_phases", description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,64", help=f"comma-separated batch sizes (default 1,64; at most {MAX_BATCH})")
     ap.add_argument("--runs", type=int, default=60, help="timed runs per figure (default 60)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds over the variants, interleaved (default 2)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over the variants, interleaved; with --code-in-l2, rounds of its three timings (default 2)")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--code-in-l2", action="store_true",
                     help="time the library's kernel alone, flushed, flushed with its code in L2, and warm")
