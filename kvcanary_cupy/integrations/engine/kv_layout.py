@@ -106,6 +106,10 @@ class GatheredSlots:
         self.width = width
         # [2 * layers, num_slots, width]: source 2l is layer l's K, 2l + 1 its V (zeros until gathered).
         self.shadow = np.zeros((2 * len(layers), int(num_slots), width), dtype=word)
+        # The same memory as one item per slot (its sampled K or V bytes), so that a step's
+        # slots are stored with one 1-D scatter per source, not one per element row.
+        self._items = np.dtype((np.void, width * item))
+        self._slot_items = self.shadow.view(self._items)[..., 0]  # [2 * layers, num_slots]
         self.sources = [RealKvSource(self.shadow, page_size=1, bytes_per_token=width * item, layer_axis=True)]
         self.gathered = 0  # slot gathers so far (a slot and all its layers count once)
 
@@ -128,12 +132,13 @@ class GatheredSlots:
         slots = slots[(slots >= 0) & (slots < self.shadow.shape[1])]
         if not slots.size:
             return 0
-        idx = (slots // self.block_size * self.block_elems)[:, None] + self._offsets[slots % self.block_size]
-        w = self.width
+        block, at = np.divmod(slots, self.block_size)
+        idx = self._offsets[at]
+        idx += (block * self.block_elems)[:, None]
         for i, flat in enumerate(self._flat):
-            got = flat[idx]  # [n, 2 * width]: K then V
-            self.shadow[2 * i, slots] = got[:, :w]
-            self.shadow[2 * i + 1, slots] = got[:, w:]
+            got = flat[idx].view(self._items)  # [n, 2]: the slot's K item, then its V item
+            self._slot_items[2 * i, slots] = got[:, 0]
+            self._slot_items[2 * i + 1, slots] = got[:, 1]
         self.gathered += int(slots.size)
         return int(slots.size)
 
