@@ -228,10 +228,12 @@ def splitmix64(x):
     Accepts Python ints (any sign, taken mod 2**64) and integer arrays; returns
     uint64 (a 0-d array for scalar input).
     """
-    z = _u64_scalar_or_array(x).copy()
-    # uint64 array multiplication wraps silently; 0-d arrays too (unlike np.uint64 scalars).
-    z = np.atleast_1d(z) if z.ndim == 0 else z
-    z ^= z >> _S30
+    u = _u64_scalar_or_array(x)
+    # uint64 array multiplication wraps silently; on a 0-d array NumPy computes with
+    # np.uint64 scalars, which warn on overflow.
+    u = u.reshape(1) if u.ndim == 0 else u
+    z = u >> _S30  # a new array: the input is left as it is
+    z ^= u
     z *= _MUL1
     z ^= z >> _S27
     z *= _MUL2
@@ -255,9 +257,14 @@ _P61 = _U64(P61)
 _S61, _S32, _S29, _M32, _M29 = _U64(61), _U64(32), _U64(29), _U64(0xFFFFFFFF), _U64((1 << 29) - 1)
 
 
+def _fold61(x):
+    """A value congruent to uint64 x mod P61 and below 2**61 + 8 (2**64 = 8 mod P61)."""
+    return (x & _P61) + (x >> _S61)
+
+
 def reduce61(x):
     """x mod P61 for uint64 x < 2**64 (one fold leaves x < 2**61 + 8, the compare finishes)."""
-    x = (x & _P61) + (x >> _S61)
+    x = _fold61(x)
     return x - np.where(x >= _P61, _P61, _U64(0))
 
 
@@ -269,7 +276,8 @@ def mulmod61(a, b):
     mid = a1 * b0 + a0 * b1  # < 2^62
     hi = (a1 * b1) << _U64(3)  # a1 b1 2^64 = 8 a1 b1, < 2^61
     mid = (mid >> _S29) + ((mid & _M29) << _S32)  # mid 2^32 = (mid >> 29) 2^61 + (mid & (2^29 - 1)) 2^32
-    return reduce61(reduce61(reduce61(a0 * b0) + hi) + reduce61(mid))
+    # Folds keep every partial sum below 2^63 (each fold < 2^61 + 8); only the sum is reduced.
+    return reduce61(_fold61(_fold61(a0 * b0) + hi) + _fold61(mid))
 
 
 def scan_term(token, position):

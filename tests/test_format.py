@@ -155,3 +155,39 @@ def test_fold_chunks_folds_the_last_axis_of_every_layer_alike():
             for w in layers[i, j]:
                 acc = splitmix64_int(acc ^ int(w))
             assert int(got[i, j]) == acc
+
+
+P61_EDGES = st.sampled_from([0, 1, 2, (1 << 32) - 1, 1 << 32, (1 << 61) - 2, (1 << 60), (1 << 61) - 3])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.one_of(P61_EDGES, st.integers(0, (1 << 61) - 2)),
+                          st.one_of(P61_EDGES, st.integers(0, (1 << 61) - 2))), min_size=1, max_size=16))
+def test_mulmod61_matches_python_ints(pairs):
+    a = np.array([x for x, _ in pairs], dtype=np.uint64)
+    b = np.array([y for _, y in pairs], dtype=np.uint64)
+    assert [int(v) for v in fmt.mulmod61(a, b)] == [(x * y) % P61 for x, y in pairs]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from([0, P61 - 1, P61, P61 + 1, 2 * P61, M64, M64 - 7]), st.integers(0, M64)),
+                min_size=1, max_size=16))
+def test_reduce61_matches_python_ints(xs):
+    got = fmt.reduce61(np.array(xs, dtype=np.uint64))
+    assert [int(v) for v in got] == [x % P61 for x in xs]
+
+
+def test_splitmix64_leaves_its_input_alone():
+    x = np.arange(5, dtype=np.uint64)
+    kc.splitmix64(x)
+    kc.mix3(x, x.view(np.int64), x.view(np.int64))
+    assert x.tolist() == [0, 1, 2, 3, 4]
+    assert kc.splitmix64(np.uint64(1)).shape == () and int(kc.splitmix64(np.array(1))) == 0x5692161D100B05E5
+
+
+def test_mulmod61_at_the_ends_of_the_range():
+    # Products that are 1, 2 and P61 - 1 mod P61: each factor times a multiple of its inverse.
+    a = [3, 0x1BD238973A2B1490, (1 << 61) - 2, 1 << 40, 12345678901234567]
+    pairs = [(x, (k * pow(x, -1, P61)) % P61) for x in a for k in (1, 2, P61 - 1)]
+    got = fmt.mulmod61(np.array([x for x, _ in pairs], np.uint64), np.array([y for _, y in pairs], np.uint64))
+    assert [int(v) for v in got] == [(x * y) % P61 for x, y in pairs]
