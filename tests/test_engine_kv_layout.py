@@ -1,9 +1,10 @@
 """GatheredSlots: the shadow holds, per slot and layer, exactly the K and V elements the
-offsets name, in their order, for every dtype an engine stores.
+offsets name, in their order, for elements of 1, 2, 4 and 8 bytes.
 
-Checked against a direct element-by-element read of the engine's blocks on random block
-geometries: slots gathered once, again after the KV changed, repeated within one call,
-outside the pool (left alone), and through a block table (``gather_reads``).
+Checked against a direct element-by-element read of the engine's blocks, with the slots'
+elements at random places in their block: slots gathered once, again after the KV changed,
+repeated within one call, outside the pool (left alone), and through a block table
+(``gather_reads``).
 """
 from __future__ import annotations
 
