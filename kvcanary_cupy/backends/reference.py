@@ -80,7 +80,8 @@ def fingerprints(sources, mode, slots) -> np.ndarray:
             for l0 in range(0, src.num_layers, step):  # layers folded together, combined in order
                 block = words[l0:l0 + step]
                 # A slot hashed whole is one take along the slots (NumPy's index between two
-                # slices is several times slower); a slot's first k words, that index.
+                # slices is several times slower); its first k words keep that index, since a
+                # take of the strided view would copy the whole source first.
                 got = np.take(block, s, axis=1) if k == block.shape[2] else block[:, s, :k]
                 for fold in fmt.fold_chunks(got):
                     acc = fmt.splitmix64(acc ^ fold)
