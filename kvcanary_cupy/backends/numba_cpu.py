@@ -1,0 +1,517 @@
+"""The compiled CPU backend: plan, verify and write as numba-compiled loops.
+
+The NumPy reference pays for its vectorization in calls: a decode step of a few rows costs
+a few hundred NumPy calls whatever its size, some hundreds of microseconds. This backend
+computes the same bytes as the reference (it is checked against it, byte for byte, by
+``tests/test_numba_backend.py``) one entry and one token at a time, as a CUDA thread
+would, in a handful of compiled calls. It needs numba (the ``numba`` extra; vLLM's CPU
+build brings it) and is picked with :func:`kvcanary_cupy.use_cpu_backend`.
+
+What the ops do is the reference's, rule for rule (see :mod:`.reference`): the same
+validity checks on every index that comes from data, the same counters, the same
+violation rows in the same order. Violation rows are rare: the compiled loops collect
+them, and the reference's own ring append stores them. The scatter of expected tokens
+and the tensor-parallel digests are not on a step's hot path and run on the reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .. import format as fmt
+from ..format import FailReason, RealKvMode
+from . import reference
+
+_I64_MAX = np.iinfo(np.int64).max
+_U = np.uint64
+
+_MUL1 = _U(fmt.SPLITMIX_MUL1)
+_MUL2 = _U(fmt.SPLITMIX_MUL2)
+_P61 = _U(fmt.P61)
+_SCAN_MUL = _U(fmt.SCAN_MUL)
+_M32 = _U(0xFFFFFFFF)
+_M29 = _U((1 << 29) - 1)
+_WORDS = fmt.VIOLATION_WORDS
+_TOKEN, _POSITION, _LINK, _FP = fmt.FIELD_TOKEN, fmt.FIELD_POSITION, fmt.FIELD_LINK, fmt.FIELD_FINGERPRINT
+_CTR_RUNS, _CTR_CHECKED, _CTR_WRITTEN = fmt.CTR_KERNEL_RUNS, fmt.CTR_SLOTS_CHECKED, fmt.CTR_SLOTS_WRITTEN
+_CTR_V_SKIPPED, _CTR_W_SKIPPED, _CTR_T_SKIPPED = fmt.CTR_VERIFIES_SKIPPED, fmt.CTR_WRITES_SKIPPED, fmt.CTR_TOKENS_SKIPPED
+_CHAIN, _POS, _REAL_KV, _TOK = int(FailReason.CHAIN), int(FailReason.POSITION), int(FailReason.REAL_KV), \
+    int(FailReason.TOKEN)
+_W_TOKEN, _W_POS = int(FailReason.WRITE_TOKEN), int(FailReason.WRITE_POSITION)
+_SLOT_OOR, _INPUT_OOR, _RESERVED = int(FailReason.SLOT_OUT_OF_RANGE), int(FailReason.INPUT_OUT_OF_RANGE), \
+    int(FailReason.RESERVED_SLOT)
+_SEED_SKIP, _RESERVED_SLOT, _PADDING_REQ = fmt.SEED_SKIP, fmt.RESERVED_SLOT, fmt.PADDING_REQ
+_SCAN_FIRST, _SGLANG_FIRST = _U(fmt.SCAN_ANCHOR), _U(fmt.ANCHOR_HASH)
+_NO_WORDS = np.zeros((1, 1, 1), dtype=np.uint64)  # the fingerprint's sources when there are none
+_NONE = np.zeros(0, dtype=np.int64)  # an optional array that is absent
+
+_jit = njit(cache=True, nogil=True)
+
+
+# --- hashes (format.py's, on one uint64 at a time) ------------------------------
+@_jit
+def _splitmix64(x):
+    z = x ^ (x >> _U(30))
+    z = z * _MUL1
+    z = z ^ (z >> _U(27))
+    z = z * _MUL2
+    return z ^ (z >> _U(31))
+
+
+@_jit
+def _mix3(a, b, c):
+    return _splitmix64(_splitmix64(_splitmix64(a) ^ b) ^ c)
+
+
+@_jit
+def _fold61(x):
+    return (x & _P61) + (x >> _U(61))
+
+
+@_jit
+def _reduce61(x):
+    x = _fold61(x)
+    return x - _P61 if x >= _P61 else x
+
+
+@_jit
+def _mulmod61(a, b):
+    a1, a0, b1, b0 = a >> _U(32), a & _M32, b >> _U(32), b & _M32
+    mid = a1 * b0 + a0 * b1
+    hi = (a1 * b1) << _U(3)
+    mid = (mid >> _U(29)) + ((mid & _M29) << _U(32))
+    return _reduce61(_fold61(_fold61(a0 * b0) + hi) + _fold61(mid))
+
+
+@_jit
+def _next_link(link, token, position, scan):
+    """The link a record (link, token, position: int64) passes to its successor (uint64)."""
+    u, t, p = _U(link), _U(token), _U(position)
+    if scan:
+        return _reduce61(_mulmod61(_SCAN_MUL, u % _P61) + _splitmix64(_splitmix64(t) ^ p) % _P61)
+    return _mix3(u, t, p)
+
+
+@_jit
+def _fingerprint(words, ks, slot):
+    """The real-KV fingerprint of ``slot``: over every source (``words[i]``: uint64
+    ``[layers, slots, words]``, of which the first ``ks[i]`` are hashed) and layer in
+    order, ``acc = splitmix64(acc ^ fold)``, each layer's fold ``splitmix64(f ^ w)`` over
+    its words."""
+    acc = _U(0)
+    for i in range(len(words)):
+        w = words[i]
+        for layer in range(w.shape[0]):
+            f = _U(0)
+            for j in range(ks[i]):
+                f = _splitmix64(f ^ w[layer, slot, j])
+            acc = _splitmix64(acc ^ f)
+    return acc
+
+
+@_jit
+def _row(out, n, tag, slot, position, stored_token, expected_token, stored_link, expected_link, bits, batch_row,
+         expected_position, prev_slot, prev_position, stored_fp, expected_fp, token_index, span_start, span_end,
+         tokens_given):
+    """Write violation row ``n`` of ``out`` (the columns of ``format.VIOLATION_COLUMNS``)."""
+    r = out[n]
+    r[0], r[1], r[2], r[3], r[4], r[5] = tag, slot, position, stored_token, expected_token, stored_link
+    r[6], r[7], r[8], r[9], r[10], r[11] = expected_link, bits, batch_row, expected_position, prev_slot, prev_position
+    r[12], r[13], r[14], r[15], r[16], r[17] = stored_fp, expected_fp, token_index, span_start, span_end, tokens_given
+    return n + 1
+
+
+# --- plan --------------------------------------------------------------------
+@_jit
+def _slot_at(table, page_size, row, pos, lut):
+    """``(slot, bad)``: the slot the table maps (row, pos) to, through the LUT when ``lut`` has
+    entries; ``bad`` when it cannot be read (negative, an unfit page, outside the LUT)."""
+    if page_size == 1:
+        v = np.int64(table[row, pos])
+    else:
+        raw = np.int64(table[row, pos // page_size])
+        off = pos % page_size
+        v = raw * page_size + off if raw >= 0 and raw <= (_I64_MAX - off) // page_size else np.int64(-1)
+    if v < 0:
+        return v if lut.shape[0] == 0 else np.int64(-1), True
+    if lut.shape[0] == 0:
+        return v, False
+    if v >= lut.shape[0]:
+        return np.int64(-1), True
+    out = np.int64(lut[v])
+    return out, out < 0
+
+
+@_jit
+def _plan(rp, prefix, extend, table, page_size, width, lut, swa_size, exp_table, exp_valid, exp_offset, has_exp,
+          vp_slot, vp_prev, vp_pos, vp_tok, vp_offsets, vp_scalars, first_error, has_vp,
+          wp_offsets, wp_seeds, wp_num_rows, wp_errors, has_wp):
+    """``reference.plan``; ``vp_scalars``: the verify plan's num_valid, enable, requested,
+    input_errors, overflows and max_requested arrays, in that order."""
+    bs = rp.shape[0]
+    nreq = table.shape[0]
+    ok = np.zeros(bs, dtype=np.bool_)
+    start = np.zeros(bs, dtype=np.int64)
+    count = np.zeros(bs, dtype=np.int64)
+    errors = 0
+    unstamped = 0
+    first_dropped = -1
+    first_bad_pos = np.int64(-1)
+    after_unknown = False
+    w_total = np.int64(0)
+    total = np.int64(0)
+    for r in range(bs):
+        q, p, e = np.int64(rp[r]), np.int64(prefix[r]), np.int64(extend[r])
+        active = q != _PADDING_REQ
+        good = (active and q > 0 and q < nreq and p >= 0 and e >= 0 and p <= width and e <= width - max(p, 0)
+                and (not has_exp or q < exp_table.shape[0]))
+        bad_pos = np.int64(-1)
+        if good:
+            s = max(p - swa_size, 0) if swa_size >= 0 else np.int64(0)
+            start[r] = s
+            for pos in range(max(s - 1, 0), p):  # every slot the row reads: window, head's predecessor, seed
+                if _slot_at(table, page_size, q, pos, lut)[1]:
+                    bad_pos = pos
+                    good = False
+                    break
+        ok[r] = good
+        if active and not good:
+            errors += 1
+            if first_dropped < 0:
+                first_dropped, first_bad_pos = r, bad_pos
+        if good:
+            count[r] = p - start[r]
+            total += count[r]
+        known = e >= 0 and e <= width
+        stamps = good and not after_unknown
+        if active and not stamps:
+            unstamped += 1
+        if has_wp:
+            seed = np.int64(_SEED_SKIP)
+            if stamps:
+                seed = _slot_at(table, page_size, q, p - 1, lut)[0] if p > 0 and e > 0 else np.int64(-1)
+            wp_seeds[r] = seed
+            wp_offsets[r] = w_total
+            w_total += e if known else 0
+        if not known:
+            after_unknown = True
+    if has_vp:
+        cap = vp_slot.shape[0]
+        o = np.int64(0)
+        for r in range(bs):
+            vp_offsets[r] = o
+            o += count[r]
+        vp_offsets[bs:] = total
+        vp_scalars[2][0] = total
+        vp_scalars[0][0] = min(total, cap)
+        vp_scalars[1][0] = 1 if total <= cap else 0
+        vp_scalars[3][0] += errors
+        vp_scalars[4][0] += 1 if total > cap else 0
+        vp_scalars[5][0] = max(vp_scalars[5][0], total)
+        first_error[:] = -1
+        if first_dropped >= 0:
+            r = first_dropped
+            q = np.int64(rp[r])
+            value = np.int64(table[q, first_bad_pos // page_size]) if first_bad_pos >= 0 else np.int64(-1)
+            first_error[0], first_error[1], first_error[2] = r, q, prefix[r]
+            first_error[3], first_error[4], first_error[5] = extend[r], first_bad_pos, value
+        if total <= cap:
+            i = 0
+            for r in range(bs):
+                if count[r] == 0:
+                    continue
+                q = np.int64(rp[r])
+                lim = np.int64(0)
+                if has_exp:
+                    lim = min(np.int64(exp_valid[r]), np.int64(exp_table.shape[1]))
+                for pos in range(start[r], start[r] + count[r]):
+                    vp_slot[i] = _slot_at(table, page_size, q, pos, lut)[0]
+                    vp_prev[i] = _slot_at(table, page_size, q, pos - 1, lut)[0] if pos > 0 else -1
+                    vp_pos[i] = pos
+                    tok = np.int64(-1)
+                    if has_exp:
+                        k = pos + exp_offset
+                        if k >= 0 and k < lim:
+                            tok = np.int64(exp_table[q, k])
+                    vp_tok[i] = tok
+                    i += 1
+    if has_wp:
+        wp_offsets[bs:] = w_total
+        wp_seeds[bs:] = -1
+        wp_num_rows[0] = bs
+        wp_errors[0] += unstamped
+
+
+# --- verify ------------------------------------------------------------------
+@_jit
+def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens, period, phase, words, ks, fp_on):
+    """``reference.verify`` of entries ``[0, n)``; returns its violation rows with each
+    entry's index in the batch-row column (the caller names the row)."""
+    N = rec.shape[0]
+    first = _SCAN_FIRST if scan else _SGLANG_FIRST
+    counters[_CTR_CHECKED] += n
+    out = np.empty((0, _WORDS), dtype=np.int64)
+    k = 0
+    for e in range(n):
+        slot, prev, pos, tok = np.int64(slots[e]), np.int64(prevs[e]), np.int64(epos[e]), np.int64(etok[e])
+        prev_position = np.int64(-1)
+        if prev > 0 and prev < N:
+            prev_position = rec[prev, _POSITION]
+        reserved = slot == _RESERVED_SLOT
+        if reserved or slot < 0 or slot >= N or prev < -1 or prev >= N:
+            if k == out.shape[0]:
+                out = _grow(out)
+            k = _row(out, k, tag, slot, -1, -1, tok, 0, 0, _RESERVED if reserved else _SLOT_OOR, e, pos, prev,
+                     prev_position, 0, 0, -1, -1, -1, -1)
+            continue
+        r = rec[slot]
+        stored = r[_LINK]
+        expected = np.int64(first)
+        if prev > 0:
+            expected = np.int64(_next_link(rec[prev, _LINK], rec[prev, _TOKEN], rec[prev, _POSITION], scan))
+        elif prev == 0:  # the padding predecessor: the chain is not checked
+            expected = stored
+        bits = 0
+        if stored != expected:
+            bits |= _CHAIN
+        if r[_POSITION] != pos:
+            bits |= _POS
+        if check_tokens and tok != -1 and r[_TOKEN] != tok:
+            bits |= _TOK
+        stored_fp = r[_FP]
+        live_fp = stored_fp
+        if period == 0 or slot % period == phase:
+            live_fp = np.int64(_fingerprint(words, ks, slot)) if fp_on else np.int64(0)
+            if live_fp != stored_fp:
+                bits |= _REAL_KV
+        if bits:
+            if k == out.shape[0]:
+                out = _grow(out)
+            k = _row(out, k, tag, slot, r[_POSITION], r[_TOKEN], tok, stored, expected, bits, e, pos, prev,
+                     prev_position, stored_fp, live_fp, -1, -1, -1, -1)
+    return out[:k]
+
+
+@_jit
+def _grow(out):
+    more = np.empty((max(16, 2 * out.shape[0]), _WORDS), dtype=np.int64)
+    more[:out.shape[0]] = out
+    return more
+
+
+# --- write -------------------------------------------------------------------
+@_jit
+def _write(rec, scan, offsets, seeds, nrows, position_check, ids, poss, locs, exp_tok, has_et, exp_pos, has_ep,
+           avail, counters, tag, words, ks, fp_on):
+    """``reference.write`` of rows ``[0, nrows)``; returns its violation rows: the rows whose
+    span, then those whose seed, is out of range, then the tokens' rows, in token order."""
+    N = rec.shape[0]
+    out = np.empty((0, _WORDS), dtype=np.int64)
+    k = 0
+    live = np.zeros(nrows, dtype=np.bool_)
+    for r in range(nrows):  # spans out of range: a forged plan's rows, reported
+        o0, o1, seed = offsets[r], offsets[r + 1], seeds[r]
+        if seed != _SEED_SKIP and (o0 < 0 or o1 > avail or o1 < o0):
+            if k == out.shape[0]:
+                out = _grow(out)
+            k = _row(out, k, tag, -1, -1, -1, -1, 0, 0, _INPUT_OOR, r, -1, -1, -1, 0, 0, -1, o0, o1, avail)
+    for r in range(nrows):  # then seeds out of range
+        o0, o1, seed = offsets[r], offsets[r + 1], seeds[r]
+        if seed == _SEED_SKIP or o0 < 0 or o1 > avail or o1 < o0:
+            continue
+        if seed < -1 or seed >= N:
+            if k == out.shape[0]:
+                out = _grow(out)
+            k = _row(out, k, tag, seed, -1, -1, -1, 0, 0, _SLOT_OOR, r, -1, -1, -1, 0, 0, -1, o0, o1, avail)
+        else:
+            live[r] = o1 > o0
+    # Every live row's chain state, read from its seed record before any record is stored.
+    running = np.empty(nrows, dtype=np.uint64)
+    prev_pos = np.zeros(nrows, dtype=np.int64)
+    for r in range(nrows):
+        if live[r]:
+            seed = seeds[r]
+            if seed >= 0:
+                running[r] = _next_link(rec[seed, _LINK], rec[seed, _TOKEN], rec[seed, _POSITION], scan)
+                prev_pos[r] = rec[seed, _POSITION]
+            else:
+                running[r] = _SCAN_FIRST if scan else _SGLANG_FIRST
+    written = 0
+    skipped = 0
+    for r in range(nrows):
+        if not live[r]:
+            continue
+        o0, o1 = offsets[r], offsets[r + 1]
+        link = running[r]
+        has_prev = seeds[r] >= 0
+        prev_p = prev_pos[r]
+        for t in range(o0, o1):
+            loc, tok, pos = np.int64(locs[t]), np.int64(ids[t]), np.int64(poss[t])
+            if loc < 0:  # a negative slot is skipped: no store, the chain does not advance
+                skipped += 1
+                continue
+            bits = 0
+            exp_position = np.int64(-1)
+            if position_check and has_prev:
+                exp_position = prev_p + 1  # wraps as the kernel's does
+                if pos != exp_position or prev_p == _I64_MAX:
+                    bits |= _W_POS
+            exp_token = np.int64(-1)
+            if has_et:
+                exp_token = np.int64(exp_tok[t])
+                if exp_token != -1 and exp_token != tok:
+                    bits |= _W_TOKEN
+            if has_ep:
+                ep = np.int64(exp_pos[t])
+                if ep != -1:
+                    exp_position = ep
+                    if ep != pos:
+                        bits |= _W_POS
+            if loc >= N:
+                bits |= _SLOT_OOR
+            else:
+                rec[loc, _TOKEN] = tok
+                rec[loc, _POSITION] = pos
+                rec[loc, _LINK] = np.int64(link)
+                rec[loc, _FP] = np.int64(_fingerprint(words, ks, loc)) if fp_on else np.int64(0)
+                written += 1
+            if bits:
+                if k == out.shape[0]:
+                    out = _grow(out)
+                k = _row(out, k, tag, loc, pos, tok, exp_token, np.int64(link), np.int64(link), bits, r, exp_position,
+                         -1, prev_p if has_prev else np.int64(-1), 0, 0, t, o0, o1, avail)
+            has_prev, prev_p = True, pos
+            link = _reduce61(_mulmod61(_SCAN_MUL, link) + _splitmix64(_splitmix64(_U(tok)) ^ _U(pos)) % _P61) \
+                if scan else _mix3(link, _U(tok), _U(pos))
+    counters[_CTR_T_SKIPPED] += skipped
+    counters[_CTR_WRITTEN] += written
+    return out[:k]
+
+
+# --- the Python side: the ops' arguments as the compiled loops take them ----------
+def _sources(sources, mode):
+    """``(words, ks, on)``: each source as uint64 ``[layers, slots, words]`` and the words of a
+    slot it hashes (16 bytes in PARTIAL mode, ``read_bytes`` in ALL)."""
+    if mode == RealKvMode.NONE or not sources:
+        return (_NO_WORDS,), np.zeros(1, dtype=np.int64), False
+    words = tuple(s.data.view(np.uint64).reshape(s.num_layers, -1, s.bytes_per_token // 8) for s in sources)
+    ks = np.array([(fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else s.read_bytes) // 8 for s in sources],
+                  dtype=np.int64)
+    return words, ks, True
+
+
+def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected):
+    bs = req_pool_indices.shape[0]
+    nreq, twidth = table.shape
+    lut = swa.lut if swa is not None and swa.lut is not None else _NONE
+    if expected is not None:
+        exp_table, exp_valid, exp_offset = expected.table, np.asarray(expected.valid_lens, np.int64), \
+            int(expected.offset)
+    else:
+        exp_table, exp_valid, exp_offset = _NONE.reshape(0, 0), _NONE, 0
+    if vp is not None:
+        v = (vp.slot_indices, vp.prev_slot_indices, vp.expected_positions, vp.expected_tokens, vp.offsets,
+             (vp.num_valid, vp.enable, vp.requested, vp.input_errors, vp.overflows, vp.max_requested),
+             vp.first_input_error)
+    else:
+        v = (_NONE, _NONE, _NONE, _NONE, _NONE, (_NONE,) * 6, _NONE)
+    w = (wp.offsets, wp.seed_slots, wp.num_rows, wp.input_errors) if wp is not None else (_NONE,) * 4
+    # The per-row arrays as int64 (a few words each): fewer compiled variants of the plan.
+    i64 = np.int64
+    _plan(np.asarray(req_pool_indices, i64), np.asarray(prefix_lens[:bs], i64), np.asarray(extend_lens[:bs], i64),
+          table, int(page_size),
+          min(twidth * int(page_size), int(_I64_MAX)), lut, -1 if swa is None else int(swa.size),
+          exp_table, exp_valid, exp_offset, expected is not None, *v, vp is not None, *w, wp is not None)
+
+
+def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
+    log.counter_array[fmt.CTR_KERNEL_RUNS] += 1
+    period = phase = 0
+    if sample is not None:
+        period, phase = int(sample.period), int(sample.state[0]) % sample.period
+        sample.state[0] += 1
+    enabled = int(vp.enable[0]) == 1
+    if not enabled:  # overflowed or never planned: nothing is checked, but it must show
+        log.counter_array[fmt.CTR_VERIFIES_SKIPPED] += 1
+    n = max(0, min(int(vp.num_valid[0]) if enabled else 0, vp.capacity))
+    if n == 0:
+        return
+    words, ks, on = _sources(sources, mode)
+    rows = _verify(canary.records, canary.chain == fmt.CHAIN_SCAN, vp.slot_indices, vp.prev_slot_indices,
+                   vp.expected_positions, vp.expected_tokens, n, log.counter_array, int(tag), bool(check_tokens),
+                   period, phase, words, ks, on)
+    if rows.shape[0]:
+        col = fmt.COL_BATCH_ROW
+        rows[:, col] = np.searchsorted(vp.offsets.astype(np.int64), rows[:, col], side="right") - 1
+        reference._append(log, [rows])
+
+
+def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode, expected_tokens,
+          expected_positions):
+    log.counter_array[fmt.CTR_KERNEL_RUNS] += 1
+    planned = int(wp.num_rows[0])
+    if planned < 0:  # never planned: nothing to write, but it must show
+        log.counter_array[fmt.CTR_WRITES_SKIPPED] += 1
+    nrows = max(0, min(planned, wp.seed_slots.shape[0], wp.offsets.shape[0] - 1))
+    if nrows == 0:
+        return
+    avail = min(a.shape[0] for a in (input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
+                if a is not None)
+    words, ks, on = _sources(sources, mode)
+    rows = _write(canary.records, canary.chain == fmt.CHAIN_SCAN, wp.offsets, wp.seed_slots, nrows,
+                  bool(wp.position_check[0]), input_ids, positions, out_cache_loc,
+                  _NONE if expected_tokens is None else expected_tokens, expected_tokens is not None,
+                  _NONE if expected_positions is None else expected_positions, expected_positions is not None,
+                  avail, log.counter_array, int(tag), words, ks, on)
+    if rows.shape[0]:
+        reference._append(log, [rows])
+
+
+# --- the Backend interface -----------------------------------------------------
+def prepare_plan(vp, wp, *, stream=None, **inputs):
+    """:func:`plan` bound to its arguments."""
+    return lambda _stream: plan(vp, wp, **inputs)
+
+
+def prepare_plan_and_verify(vp, wp, canary, *, stream=None, log, tag, sources, mode, check_tokens, sample,
+                            digest=None, **plan_inputs):
+    """:func:`plan` then :func:`verify`, bound; with ``digest``, then the reference's entry digest."""
+    def run(_stream):
+        plan(vp, wp, **plan_inputs)
+        verify(canary, vp, log=log, tag=tag, sources=sources, mode=mode, check_tokens=check_tokens, sample=sample)
+        if digest is not None:
+            reference.entry_digest(vp, out=digest)
+    return run
+
+
+def prepare_plan_verify_write(vp, wp, canary, *, stream=None, log, tag, write_tag, check_tokens, input_ids,
+                              positions, out_cache_loc, expected_tokens, expected_positions, **plan_inputs):
+    """:func:`plan`, :func:`verify`, then :func:`write` (no real-KV folds), bound."""
+    def run(_stream):
+        plan(vp, wp, **plan_inputs)
+        verify(canary, vp, log=log, tag=tag, sources=(), mode=RealKvMode.NONE, check_tokens=check_tokens, sample=None)
+        write(canary, wp, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, log=log,
+              tag=write_tag, sources=(), mode=RealKvMode.NONE, expected_tokens=expected_tokens,
+              expected_positions=expected_positions)
+    return run
+
+
+def prepare_write(canary, wp, *, stream=None, digest=None, max_row_tokens=None, **inputs):
+    """:func:`write` bound to its arguments; with ``digest``, then the reference's digest of its rows."""
+    if digest is None:
+        return lambda _stream: write(canary, wp, **inputs)
+
+    def run(_stream):
+        write(canary, wp, **inputs)
+        reference.digest(digest.rows, out=digest.out, carry=digest.carry)
+    return run
+
+
+def prepare_verify(canary, vp, *, stream=None, **inputs):
+    """:func:`verify` bound to its arguments."""
+    return lambda _stream: verify(canary, vp, **inputs)
+
+
+prepare_scatter = reference.prepare_scatter
+prepare_digest = reference.prepare_digest
+prepare_agree = reference.prepare_agree
