@@ -37,12 +37,13 @@ def timed_calls(obj, names, acc: list):
                 delattr(obj, n)
 
 
-def run_batches(batches: str, run, line, json_path: str | None) -> int:
-    """``run(batch)`` for each of the comma-separated ``batches``, printing ``line(result)`` as each
-    ends; the results as a JSON list at ``json_path`` when given. Returns 0."""
+def run_batches(batches: str, run, line, json_path: str | None, variants=(None,)) -> int:
+    """``run(batch)`` for each of the comma-separated ``batches`` (``run(batch, variant)`` for each
+    variant of ``variants`` when given, all batches of the first variant first), printing
+    ``line(result)`` as each ends; the results as a JSON list at ``json_path`` when given. Returns 0."""
     results = []
-    for b in (int(x) for x in batches.split(",")):
-        r = run(b)
+    for v, b in ((v, int(x)) for v in variants for x in batches.split(",")):
+        r = run(b) if v is None else run(b, v)
         results.append(r)
         print(line(r), flush=True)
     if json_path:

@@ -44,13 +44,27 @@ def xp(request):
         import cupy  # noqa: PLC0415
 
         return cupy
-    if request.param == "numba":
-        pytest.importorskip("numba")
-        from kvcanary_cupy import use_cpu_backend  # noqa: PLC0415
-
-        previous = use_cpu_backend("numba")
-        request.addfinalizer(lambda: use_cpu_backend(previous))
+    _use_cpu_backend(request, "numba" if request.param == "numba" else "numpy")
     return np
+
+
+@pytest.fixture(params=["numpy", "numba"])
+def cpu_backend(request):
+    """Runs a test once per CPU backend (the NumPy reference, numba's compiled ops): a module
+    opts in with ``pytestmark = pytest.mark.usefixtures("cpu_backend")``."""
+    _use_cpu_backend(request, request.param)
+    return request.param
+
+
+def _use_cpu_backend(request, name: str) -> None:
+    """The test runs with ``name`` as the CPU backend (skipped without numba where it is
+    ``"numba"``); the previous choice comes back after it."""
+    if name == "numba":
+        pytest.importorskip("numba")
+    from kvcanary_cupy import use_cpu_backend  # noqa: PLC0415
+
+    previous = use_cpu_backend(name)
+    request.addfinalizer(lambda: use_cpu_backend(previous))
 
 
 @pytest.fixture

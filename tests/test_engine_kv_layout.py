@@ -4,7 +4,7 @@ offsets name, in their order, for elements of 1, 2, 4 and 8 bytes.
 Checked against a direct element-by-element read of the engine's blocks, with the slots'
 elements at random places in their block: slots gathered once, again after the KV changed,
 repeated within one call, outside the pool (left alone), and through a block table
-(``gather_reads``).
+(``gather_reads``), on either CPU backend.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvcanary_cupy import RealKvMode
 from kvcanary_cupy.integrations.engine.kv_layout import GatheredSlots
 
 DTYPES = (np.float16, np.float32, np.float64, np.uint8)
+pytestmark = pytest.mark.usefixtures("cpu_backend")  # the NumPy gather and the compiled one
 
 
 def _engine(rng, dtype, *, blocks, block_size, layers, n):

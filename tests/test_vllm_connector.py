@@ -2,9 +2,10 @@
 runs without it, and faults injected through vLLM's own state caught and, under
 ``policy="cancel"``, failing only the damaged request.
 
-Two engines per module, one after the other (vLLM keeps one connector per process): one
-without the connector computes every workload's reference tokens, then one with it runs
-them again, clean and with faults. Both have a small KV pool (preemption), short
+Engines one after the other (vLLM keeps one connector per process): one without the
+connector computes every workload's reference tokens, then one with it runs them again,
+clean and with faults, once per CPU backend of the connector's checks (the NumPy reference,
+numba's compiled ops). Both have a small KV pool (preemption), short
 chunks (chunked prefill) and 32-token blocks (prefix hits).
 """
 from __future__ import annotations
@@ -40,11 +41,15 @@ def reference():
         close(llm)
 
 
-@pytest.fixture(scope="module")
-def engine(reference, tmp_path_factory):
+@pytest.fixture(scope="module", params=["numpy", "numba"])
+def engine(request, reference, tmp_path_factory):
+    """The engine with the connector, its checks on each CPU backend in turn."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
     events = tmp_path_factory.mktemp("vllm-events") / "events.jsonl"
-    llm = make_llm(policy="cancel", events=str(events), **ENGINE)
+    llm = make_llm(policy="cancel", events=str(events), cpu_backend=request.param, **ENGINE)
     llm.events_path = events
+    assert connector().worker.cpu_backend == request.param
     yield llm
     close(llm)
 

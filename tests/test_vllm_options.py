@@ -39,11 +39,30 @@ def test_options_pass_through():
     (dict(fingerprint_sample_period=0), ValueError, "fingerprint_sample_period"),
     (dict(chain="md5"), ValueError, "chain"),
     (dict(ring_capacity=-1), ValueError, "ring_capacity"),
+    (dict(cpu_backend="fast"), ValueError, "cpu_backend"),
+    (dict(cpu_backend=True), ValueError, "cpu_backend"),
 ])
 def test_bad_option_refused_naming_it(kwargs, exc, name):
     with pytest.raises(exc) as err:
         kv_transfer_config(**kwargs)
     assert str(err.value).startswith(f"kvcanary: {name}:")
+
+
+@pytest.mark.parametrize("choice", ["auto", "numpy", "numba"])
+def test_cpu_backend_passes_through(choice):
+    if choice == "numba":
+        pytest.importorskip("numba")
+    assert kv_transfer_config(cpu_backend=choice)["kv_connector_extra_config"]["kvcanary"]["cpu_backend"] == choice
+
+
+def test_cpu_backend_numba_refused_without_numba(monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numba" else find(name, *a))
+    with pytest.raises(ValueError, match="^kvcanary: cpu_backend: 'numba' needs numba"):
+        kv_transfer_config(cpu_backend="numba")
+    assert kv_transfer_config(cpu_backend="auto")  # auto then takes the NumPy reference
 
 
 def test_async_scheduling_refused():

@@ -388,6 +388,48 @@ def _write(rec, scan, offsets, seeds, nrows, position_check, ids, poss, locs, ex
     return out[:k]
 
 
+# --- an engine layout's gather (kvcanary_cupy.integrations.engine.kv_layout) ------------
+@_jit
+def _gather_slot(layers, offsets, block_elems, block_size, shadow, slot):
+    base = (slot // block_size) * block_elems
+    at = slot % block_size
+    w = shadow.shape[2]
+    for i in range(len(layers)):
+        flat = layers[i]
+        for j in range(w):
+            shadow[2 * i, slot, j] = flat[base + offsets[at, j]]
+            shadow[2 * i + 1, slot, j] = flat[base + offsets[at, w + j]]
+
+
+@_jit
+def gather_slots(layers, offsets, block_elems, block_size, shadow, slots):
+    """:meth:`GatheredSlots.gather_slots`: copy each slot's K elements (``offsets[slot % block_size,
+    :w]`` of its block, in every layer of ``layers``) and V elements (``[w:]``) into ``shadow``
+    ``[2 * layers, num_slots, w]``; slots outside it are left alone. Returns the slots copied."""
+    n = 0
+    for k in range(slots.shape[0]):
+        s = np.int64(slots[k])
+        if s >= 0 and s < shadow.shape[1]:
+            _gather_slot(layers, offsets, block_elems, block_size, shadow, s)
+            n += 1
+    return n
+
+
+@_jit
+def gather_reads(layers, offsets, block_elems, block_size, shadow, table, rows, prefix):
+    """:meth:`GatheredSlots.gather_reads`: :func:`gather_slots` of the slots table rows ``rows``
+    map positions ``[0, prefix[i])`` to (a position past the table's width maps to none)."""
+    n = 0
+    for i in range(rows.shape[0]):
+        row = np.int64(rows[i])
+        for pos in range(min(np.int64(prefix[i]), np.int64(table.shape[1]) * block_size)):
+            s = np.int64(table[row, pos // block_size]) * block_size + pos % block_size
+            if s >= 0 and s < shadow.shape[1]:
+                _gather_slot(layers, offsets, block_elems, block_size, shadow, s)
+                n += 1
+    return n
+
+
 # --- the Python side: the ops' arguments as the compiled loops take them ----------
 def _sources(sources, mode):
     """``(words, ks, on)``: each source as uint64 ``[layers, slots, words]`` and the words of a

@@ -14,12 +14,14 @@ bytes must be contiguous. Two kinds of layout:
   the stamp, into a slot-major shadow that the sources read. The shadow holds the
   sampled elements only (the first 16 bytes of K and of V of every layer, as the
   monitor's PARTIAL mode hashes; all of them in ALL mode), so the fingerprint is of the
-  live bytes at the moment of the check.
+  live bytes at the moment of the check. On the ``"numba"`` CPU backend the gather is
+  compiled too (the same copies).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ...backends import cpu_backend
 from ...canary import RealKvSource
 from ...format import KV_CHUNK_BYTES, RealKvMode
 
@@ -100,6 +102,7 @@ class GatheredSlots:
         self.block_elems = int(np.asarray(layers[0]).reshape(-1).shape[0] // _num_blocks(layers[0], num_slots,
                                                                                           block_size))
         self._flat = [np.asarray(t).reshape(-1).view(word) for t in layers]
+        self._layers = tuple(self._flat)
         # K then V of each slot offset: one gather index per slot offset, [block_size, 2 * width].
         self._offsets = np.concatenate([np.asarray(key_offsets, np.int64)[:, :width],
                                         np.asarray(value_offsets, np.int64)[:, :width]], axis=1)
@@ -117,18 +120,31 @@ class GatheredSlots:
         """Gather the slots rows ``rows`` of page ``table`` map for positions ``[0, prefix[i])``."""
         rows = np.asarray(rows, dtype=np.int64)
         prefix = np.asarray(prefix, dtype=np.int64)
+        if cpu_backend() == "numba":  # the same copies, compiled (see use_cpu_backend)
+            n = self._compiled().gather_reads(self._layers, self._offsets, self.block_elems, self.block_size,
+                                              self.shadow, np.asarray(table), rows, prefix)
+            self.gathered += n
+            return n
         total = int(prefix.sum())
         if total == 0:
             return 0
         owner = np.repeat(rows, prefix)
         pos = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(prefix) - prefix, prefix)
         pages = np.asarray(table)[owner, pos // self.block_size].astype(np.int64)
-        return self.gather_slots(pages * self.block_size + pos % self.block_size)
+        return self._gather(pages * self.block_size + pos % self.block_size)
 
     def gather_slots(self, slots) -> int:
         """Refresh the shadow at canary slots ``slots`` (int ``[n]``; those outside the pool are
         left for the check to report) from the live KV of every layer."""
         slots = np.asarray(slots, dtype=np.int64)
+        if cpu_backend() == "numba":
+            n = self._compiled().gather_slots(self._layers, self._offsets, self.block_elems, self.block_size,
+                                              self.shadow, slots)
+            self.gathered += n
+            return n
+        return self._gather(slots)
+
+    def _gather(self, slots: np.ndarray) -> int:
         slots = slots[(slots >= 0) & (slots < self.shadow.shape[1])]
         if not slots.size:
             return 0
@@ -141,6 +157,13 @@ class GatheredSlots:
             self._slot_items[2 * i + 1, slots] = got[:, 1]
         self.gathered += int(slots.size)
         return int(slots.size)
+
+
+    @staticmethod
+    def _compiled():
+        from ...backends import numba_cpu  # noqa: PLC0415
+
+        return numba_cpu
 
 
 def _itemsize(t) -> int:

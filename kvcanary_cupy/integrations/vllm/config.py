@@ -6,6 +6,7 @@ caller's process, so a mistake fails now rather than inside the engine's worker.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 
 from ...format import RealKvMode
@@ -20,6 +21,8 @@ EXTRA_KEY = "kvcanary"
 PASSED = ("fingerprint_sample_period", "real_kv_mode", "verify_capacity", "grow_on_overflow", "ring_capacity",
           "history", "chain", "events", "metrics", "incident_quiet_steps")
 POLICIES = ("log", "raise", "cancel")
+OWN = ("policy", "cpu_backend")  # the connector's own options; the rest are KvCanary's
+CPU_BACKENDS = ("auto", "numpy", "numba")
 
 
 def kv_transfer_config(policy: str = "log", **options) -> dict:
@@ -34,6 +37,13 @@ def kv_transfer_config(policy: str = "log", **options) -> dict:
         events: a path: each incident (naming the vLLM request id) appended as a JSON line.
         metrics: True: Prometheus counters in prometheus_client's default registry.
         incident_quiet_steps: steps without a row after which an incident ends.
+        cpu_backend: what runs the checks of a CPU engine (vLLM's CPU build): ``"numba"`` (the
+            ops compiled by numba, which vLLM's CPU build installs: a few times less host time
+            per step), ``"numpy"`` (the NumPy reference), or ``"auto"`` (the default): numba
+            where it is installed and the engine core runs in a process of its own (vLLM's
+            default), NumPy in an engine run in the caller's process
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where vLLM 0.32's CPU worker would not
+            start another engine once numba is loaded. A GPU engine's checks run on the GPU.
         fingerprint_sample_period, real_kv_mode, verify_capacity, grow_on_overflow,
             ring_capacity, history, chain: :class:`~kvcanary_cupy.KvCanary`'s options.
 
@@ -49,7 +59,7 @@ def kv_transfer_config(policy: str = "log", **options) -> dict:
         >>> kv_transfer_config(polcy="log")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: kvcanary: polcy: not an option; pass only policy and KvCanary's options (...)
+        ValueError: kvcanary: polcy: not an option; pass only policy, cpu_backend and KvCanary's options (...)
     """
     opts = parse_options({"policy": policy, **options})
     return {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
@@ -66,12 +76,20 @@ def parse_options(options: dict) -> dict:
         raise TypeError(f"kvcanary: policy: expected 'log', 'raise' or 'cancel' (a callable cannot travel to "
                         f"vLLM's engine process), got {type(opts['policy']).__name__}")
     check_policy(opts.get("policy", "log"))
-    check_monitor_options({k: v for k, v in opts.items() if k != "policy"}, adapter="the vLLM connector",
-                          own="policy")
+    check_monitor_options({k: v for k, v in opts.items() if k not in OWN}, adapter="the vLLM connector",
+                          own=", ".join(OWN))
     for name in opts:
-        if name != "policy" and name not in PASSED:
-            raise ValueError(f"kvcanary: {name}: not supported by the vLLM connector; pass only policy, "
-                             f"{', '.join(PASSED)}")
+        if name not in OWN and name not in PASSED:
+            raise ValueError(f"kvcanary: {name}: not supported by the vLLM connector; pass only "
+                             f"{', '.join(OWN + PASSED)}")
+    if "cpu_backend" in opts:
+        choice = opts["cpu_backend"]
+        if not isinstance(choice, str) or choice not in CPU_BACKENDS:
+            raise ValueError(f"kvcanary: cpu_backend: expected one of {', '.join(map(repr, CPU_BACKENDS))}, "
+                             f"got {choice!r}")
+        if choice == "numba" and importlib.util.find_spec("numba") is None:
+            raise ValueError("kvcanary: cpu_backend: 'numba' needs numba installed (pip install numba); use 'auto' "
+                             "or 'numpy'")
     if "events" in opts and opts["events"] is not None and not isinstance(opts["events"], str):
         raise TypeError(f"kvcanary: events: expected a file path (str) the engine appends incidents to, got "
                         f"{type(opts['events']).__name__}")
@@ -98,7 +116,7 @@ def parse_options(options: dict) -> dict:
 
 def monitor_options(opts: dict) -> dict:
     """The KvCanary keyword arguments among the connector's options."""
-    out = {k: v for k, v in opts.items() if k != "policy"}
+    out = {k: v for k, v in opts.items() if k not in OWN}
     if "real_kv_mode" in out:
         out["real_kv_mode"] = RealKvMode(int(out["real_kv_mode"]))
     return out

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import time
 
+from ...backends import use_cpu_backend
 from ...format import RealKvMode
 from ...monitor.policy import KvCanaryError, warn
 from ..engine.block_table import AttentionStep, BlockTableCanary
@@ -79,6 +80,8 @@ class WorkerSide:
         self.preempted = self.prefix_hits = self.chunked_prefills = 0
         self._step = None  # (per group AttentionStep) between start_load_kv and wait_for_save
         self.row_keys = RowKeyReader()
+        self.cpu_backend = None  # what runs a CPU engine's checks ("numpy" or "numba"); None on a GPU
+        self._previous_cpu_backend = None
 
     # ------------------------------------------------------------------ setup
     def register(self, kv_caches: dict) -> None:
@@ -90,6 +93,8 @@ class WorkerSide:
         mon = monitor_options(self.options)
         mode = RealKvMode(int(mon.get("real_kv_mode", RealKvMode.PARTIAL)))
         num_blocks = int(self.kv_cache_config.num_blocks)
+        if kv_caches and next(iter(kv_caches.values())).device.type == "cpu":
+            self._pick_cpu_backend()  # before any monitor prepares its calls
         max_batch = int(cfg.scheduler_config.max_num_seqs)
         for i, g in enumerate(self.kv_cache_config.kv_cache_groups):
             spec = g.kv_cache_spec
@@ -104,6 +109,20 @@ class WorkerSide:
                                       options=mon, max_tokens=int(cfg.scheduler_config.max_num_batched_tokens))
             self.groups.append(Group(i, type(spec).__name__, tuple(g.layer_names), bs, canary))
         self.rows = RowPool(2 * max_batch + 1)
+
+    def _pick_cpu_backend(self) -> None:
+        """On a CPU engine, the backend the options pick (see :func:`~.config.kv_transfer_config`),
+        for this process until :meth:`close`."""
+        choice = self.options.get("cpu_backend", "auto")
+        if choice == "auto":
+            import importlib.util  # noqa: PLC0415
+
+            from vllm import envs  # noqa: PLC0415
+
+            own_process = bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
+            choice = "numba" if own_process and importlib.util.find_spec("numba") is not None else "numpy"
+        self.cpu_backend = choice
+        self._previous_cpu_backend = use_cpu_backend(choice)
 
     # ------------------------------------------------------------------ a step
     def before_forward(self, meta, forward_context) -> None:
@@ -219,7 +238,8 @@ class WorkerSide:
         return {"steps": self.steps, "empty_steps": self.empty_steps, "violations": len(self.found),
                 "cancelled": self.cancel_count, "cancel_unavailable": self.cancel_unavailable,
                 "rows_unmatched": self.rows_unmatched, "preempted": self.preempted,
-                "prefix_hits": self.prefix_hits, "chunked_prefills": self.chunked_prefills, "host_seconds": self.host_seconds,
+                "prefix_hits": self.prefix_hits, "chunked_prefills": self.chunked_prefills,
+                "cpu_backend": self.cpu_backend, "host_seconds": self.host_seconds,
                 "host_us_per_step": 1e6 * self.host_seconds / self.steps if self.steps else 0.0,
                 "slots_checked": sum(p["slots_checked"] for p in per.values()),
                 "slots_written": sum(p["slots_written"] for p in per.values()),
@@ -234,6 +254,9 @@ class WorkerSide:
         finally:
             for g in self.groups:
                 g.canary.monitor.close()
+            if self._previous_cpu_backend is not None:
+                use_cpu_backend(self._previous_cpu_backend)
+                self._previous_cpu_backend = None
 
 
 def _step_tokens(states) -> list:

@@ -1,0 +1,94 @@
+"""The numba CPU backend: byte for byte the NumPy reference, and how a process picks it.
+
+The parity fuzz of the CUDA backend (``tests/gpu/test_parity_fuzz.py``) runs here with
+numba's compiled ops in the device's place: random steps with padding, page tables, SWA
+windows, expected tokens, real-KV sources, corrupted records, tables and plans and data out
+of range, compared after every op: records, plans (the fused ops' entries too), counters
+and violation rows in the reference's order. The hand-made cases with known answers run on
+it through the ``xp`` fixture's ``"numba"`` parameter.
+
+``KVCANARY_NUMBA_FUZZ_CASES`` (default 60) sets the number of cases.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = int(os.environ.get("KVCANARY_NUMBA_FUZZ_CASES", "60"))
+
+
+def test_parity_fuzz_against_the_reference(capsys):
+    pytest.importorskip("numba")
+    from kvcanary_cupy.backends import numba_cpu
+    from tests.gpu import test_parity_fuzz as fuzz
+
+    compiled = fuzz.Side(numba_cpu, "cpu", lambda a: np.array(a, copy=True), np.asarray, fused_entries=True,
+                         ordered=True)
+    failures = fuzz.run_fuzz(fuzz.cpu_side(), compiled, CASES, 20261206)
+    assert not failures, "\n".join(failures)
+
+
+def test_use_cpu_backend_names_what_it_takes():
+    with pytest.raises(ValueError, match="^kvcanary: name: expected one of 'numpy', 'numba', got 'fast'"):
+        kc.use_cpu_backend("fast")
+    previous = kc.use_cpu_backend("numpy")
+    try:
+        assert kc.cpu_backend() == "numpy"
+    finally:
+        kc.use_cpu_backend(previous)
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT, **env})
+
+
+def test_the_environment_sets_the_first_choice():
+    pytest.importorskip("numba")
+    out = _python("import kvcanary_cupy as kc; print(kc.cpu_backend())", KVCANARY_CPU_BACKEND="numba")
+    assert out.returncode == 0 and out.stdout.split() == ["numba"], out.stderr
+    out = _python("import kvcanary_cupy as kc; print(kc.cpu_backend())", KVCANARY_CPU_BACKEND="")
+    assert out.returncode == 0 and out.stdout.split() == ["numpy"], out.stderr
+    out = _python("import kvcanary_cupy as kc; kc.cpu_backend()", KVCANARY_CPU_BACKEND="jit")
+    assert out.returncode != 0 and "kvcanary: KVCANARY_CPU_BACKEND: expected one of 'numpy', 'numba'" in out.stderr
+
+
+def test_numba_missing_is_refused_when_picked():
+    out = _python("import sys; sys.modules['numba'] = None\n"
+                  "import kvcanary_cupy as kc\n"
+                  "try:\n    kc.use_cpu_backend('numba')\nexcept ImportError as e:\n    print(e)\n"
+                  "print(kc.cpu_backend())")
+    assert out.returncode == 0, out.stderr
+    first, last = out.stdout.strip().splitlines()[0], out.stdout.split()[-1]
+    assert first.startswith("kvcanary: the 'numba' CPU backend needs numba") and last == "numpy"
+
+
+def test_a_step_on_numba_finds_what_the_reference_finds():
+    """A monitor on each backend, the same corrupted step: the same violations, counters and records."""
+    pytest.importorskip("numba")
+    results = []
+    for name in ("numpy", "numba"):
+        previous = kc.use_cpu_backend(name)
+        try:
+            r2t = np.arange(64, dtype=np.int32).reshape(4, 16)
+            mon = kc.KvCanary(num_slots=64, req_to_token=r2t, max_batch=2, policy=lambda found: None)
+            mon.before_forward(np.array([1, 2]), np.array([0, 0]), np.array([3, 2]), request_ids=["a", "b"])
+            mon.after_forward(np.array([7, 8, 9, 4, 5]), np.array([0, 1, 2, 0, 1]), np.array([16, 17, 18, 32, 33]))
+            mon.canary.records[17, 0] = 99  # a stray write into request a's second slot
+            r2t[2, 1] = 17  # and request b's table now points at it
+            mon.before_forward(np.array([1, 2]), np.array([3, 2]), np.array([1, 1]), request_ids=["a", "b"])
+            mon.after_forward(np.array([10, 6]), np.array([3, 2]), np.array([19, 34]))
+            found = [(v.request, v.slot, v.position, int(v.reasons)) for v in mon.poll() + mon.poll()]
+            results.append((found, mon.stats()["slots_checked"], mon.canary.records.copy()))
+        finally:
+            kc.use_cpu_backend(previous)
+    (found, checked, records), (found_nb, checked_nb, records_nb) = results
+    assert found and found == found_nb and checked == checked_nb == 3 + 2  # the second step reads 3 + 2
+    np.testing.assert_array_equal(records, records_nb)
