@@ -12,6 +12,7 @@ default, see :class:`~kvcanary_cupy.CanaryBuffer`); it passes only if every kind
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import statistics
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .backends import use_cpu_backend
 from .cli import CliParser, output_path_problem
 from .format import CHAINS, RealKvMode, check_chain
 from .monitor import KvCanaryWarning
@@ -87,12 +89,12 @@ def _reason(e: BaseException) -> str:
 def resolve_backend(backend: str) -> str:
     """``"cpu"`` or ``"cuda"`` for ``auto`` / ``numpy`` / ``cuda``: ``auto`` is ``"cuda"``
     when CuPy is installed and sees a device, else ``"cpu"`` (the NumPy backend)."""
-    if backend == "numpy":
+    if backend in ("numpy", "numba"):
         return "cpu"
     if backend == "cuda":
         return "cuda"
     if backend != "auto":
-        raise ValueError(f"kvcanary: backend: expected auto, numpy or cuda, got {backend!r}")
+        raise ValueError(f"kvcanary: backend: expected auto, numpy, numba or cuda, got {backend!r}")
     return "cuda" if cuda_status()[0] else "cpu"
 
 
@@ -229,13 +231,20 @@ def _run(backend: str, steps: int, injections: int, seed: int, kinds, progress, 
             notice(note)
     else:
         device = resolve_backend(backend)
+    name = "cuda" if device == "cuda" else ("numba" if backend == "numba" else "numpy")
     t0 = time.perf_counter()
     each = " per chain kind" if len(kinds) > 1 else ""
-    progress(f"kvcanary selftest on {'the NumPy backend (cpu)' if device == 'cpu' else 'CUDA'}, chain "
+    where = {"numpy": "the NumPy backend (cpu)", "numba": "the numba backend (cpu)", "cuda": "CUDA"}[name]
+    progress(f"kvcanary selftest on {where}, chain "
              f"kind{'s' if len(kinds) > 1 else ''} {', '.join(kinds)}: {steps} clean steps, {injections} "
              f"injections x {len(FAULTS)} fault classes{each}, seed {seed}")
-    per_kind = {k: _campaign(device, steps, injections, seed, k, progress, events) for k in kinds}
-    return {"ok": all(r["ok"] for r in per_kind.values()), "backend": "numpy" if device == "cpu" else "cuda",
+    previous = use_cpu_backend(name) if device == "cpu" else None
+    try:
+        per_kind = {k: _campaign(device, steps, injections, seed, k, progress, events) for k in kinds}
+    finally:
+        if previous is not None:
+            use_cpu_backend(previous)
+    return {"ok": all(r["ok"] for r in per_kind.values()), "backend": name,
             "device": device, "seed": seed, "backend_note": note, "seconds": round(time.perf_counter() - t0, 2),
             "chains": per_kind}
 
@@ -303,9 +312,10 @@ def main(argv=None, prog: str = "python -m kvcanary_cupy selftest") -> int:
         description="Clean run plus every fault class on a simulated paged-KV engine, once per chain kind. "
                     "Exits 0 when, for every kind, every injected fault is caught and the clean run reports "
                     "nothing, 1 otherwise.")
-    ap.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
+    ap.add_argument("--backend", choices=("auto", "numpy", "numba", "cuda"), default="auto",
                     help="auto (default): CUDA when CuPy is installed and sees a device, else the NumPy "
-                         "backend; numpy: the NumPy reference on the CPU; cuda: the CUDA kernels through CuPy")
+                         "backend; numpy: the NumPy reference on the CPU; numba: the same ops compiled by "
+                         "numba, on the CPU; cuda: the CUDA kernels through CuPy")
     ap.add_argument("--chain", choices=CHAIN_CHOICES, default="both",
                     help="the canaries' chain kind: scan (format v2), sglang (v1, SGLang's records) or both "
                          "(default: the whole campaign once per kind, passing only if both pass)")
@@ -328,6 +338,10 @@ def main(argv=None, prog: str = "python -m kvcanary_cupy selftest") -> int:
             print(f"kvcanary: selftest: {flag} {path!r}: {problem}; expected the path of a file in an "
                   "existing, writable folder (checked before the run)", file=sys.stderr)
             return 2
+    if args.backend == "numba" and importlib.util.find_spec("numba") is None:
+        print("kvcanary: selftest: --backend numba needs numba (pip install numba); run with --backend numpy "
+              "(or auto) for the NumPy backend", file=sys.stderr)
+        return 2
     if args.backend == "cuda":
         usable, why = cuda_status()
         if not usable:

@@ -129,8 +129,24 @@ def fake_cupy(device_count):
     return mod
 
 
+def test_every_fault_class_is_caught_on_the_numba_backend():
+    pytest.importorskip("numba")
+    import kvcanary_cupy as kc
+
+    before = kc.cpu_backend()
+    lines = []
+    report = selftest.run(backend="numba", steps=200, injections=3, seed=5, progress=lines.append)
+    assert report["ok"] and report["backend"] == "numba" and report["device"] == "cpu"
+    assert "on the numba backend (cpu)" in lines[0]
+    for kind, r in report["chains"].items():
+        assert r["clean"]["steps"] == 200 and r["clean"]["violations"] == 0, kind
+        assert all((c["injected"], c["detected"], c["false_positives"]) == (3, 3, 0) for c in r["classes"]), kind
+    assert kc.cpu_backend() == before  # the run's choice ends with it
+
+
 def test_resolve_backend(monkeypatch):
     assert selftest.resolve_backend("numpy") == "cpu"
+    assert selftest.resolve_backend("numba") == "cpu"
     assert selftest.resolve_backend("cuda") == "cuda"
     with pytest.raises(ValueError, match="kvcanary: backend"):
         selftest.resolve_backend("tpu")
