@@ -224,10 +224,11 @@ def _plan(rp, prefix, extend, table, page_size, width, lut, swa_size, exp_table,
                 lim = np.int64(0)
                 if has_exp:
                     lim = min(np.int64(exp_valid[r]), np.int64(exp_table.shape[1]))
+                prev = _slot_at(table, page_size, q, start[r] - 1, lut)[0] if start[r] > 0 else np.int64(-1)
                 for pos in range(start[r], start[r] + count[r]):
-                    vp_slot[i] = _slot_at(table, page_size, q, pos, lut)[0]
-                    vp_prev[i] = _slot_at(table, page_size, q, pos - 1, lut)[0] if pos > 0 else -1
-                    vp_pos[i] = pos
+                    slot = _slot_at(table, page_size, q, pos, lut)[0]
+                    vp_slot[i], vp_prev[i], vp_pos[i] = slot, prev, pos
+                    prev = slot  # the next position's predecessor
                     tok = np.int64(-1)
                     if has_exp:
                         k = pos + exp_offset
@@ -264,8 +265,7 @@ def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens,
             k = _row(out, k, tag, slot, -1, -1, tok, 0, 0, _RESERVED if reserved else _SLOT_OOR, e, pos, prev,
                      prev_position, 0, 0, -1, -1, -1, -1)
             continue
-        r = rec[slot]
-        stored = r[_LINK]
+        stored, r_pos, r_tok, stored_fp = rec[slot, _LINK], rec[slot, _POSITION], rec[slot, _TOKEN], rec[slot, _FP]
         expected = np.int64(first)
         if prev > 0:
             expected = np.int64(_next_link(rec[prev, _LINK], rec[prev, _TOKEN], rec[prev, _POSITION], scan))
@@ -274,11 +274,10 @@ def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens,
         bits = 0
         if stored != expected:
             bits |= _CHAIN
-        if r[_POSITION] != pos:
+        if r_pos != pos:
             bits |= _POS
-        if check_tokens and tok != -1 and r[_TOKEN] != tok:
+        if check_tokens and tok != -1 and r_tok != tok:
             bits |= _TOK
-        stored_fp = r[_FP]
         live_fp = stored_fp
         if period == 0 or slot % period == phase:
             live_fp = np.int64(_fingerprint(words, ks, slot)) if fp_on else np.int64(0)
@@ -287,7 +286,7 @@ def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens,
         if bits:
             if k == out.shape[0]:
                 out = _grow(out)
-            k = _row(out, k, tag, slot, r[_POSITION], r[_TOKEN], tok, stored, expected, bits, e, pos, prev,
+            k = _row(out, k, tag, slot, r_pos, r_tok, tok, stored, expected, bits, e, pos, prev,
                      prev_position, stored_fp, live_fp, -1, -1, -1, -1)
     return out[:k]
 
