@@ -33,8 +33,7 @@ _M32 = _U(0xFFFFFFFF)
 _M29 = _U((1 << 29) - 1)
 _WORDS = fmt.VIOLATION_WORDS
 _TOKEN, _POSITION, _LINK, _FP = fmt.FIELD_TOKEN, fmt.FIELD_POSITION, fmt.FIELD_LINK, fmt.FIELD_FINGERPRINT
-_CTR_RUNS, _CTR_CHECKED, _CTR_WRITTEN = fmt.CTR_KERNEL_RUNS, fmt.CTR_SLOTS_CHECKED, fmt.CTR_SLOTS_WRITTEN
-_CTR_V_SKIPPED, _CTR_W_SKIPPED, _CTR_T_SKIPPED = fmt.CTR_VERIFIES_SKIPPED, fmt.CTR_WRITES_SKIPPED, fmt.CTR_TOKENS_SKIPPED
+_CTR_CHECKED, _CTR_WRITTEN, _CTR_T_SKIPPED = fmt.CTR_SLOTS_CHECKED, fmt.CTR_SLOTS_WRITTEN, fmt.CTR_TOKENS_SKIPPED
 _CHAIN, _POS, _REAL_KV, _TOK = int(FailReason.CHAIN), int(FailReason.POSITION), int(FailReason.REAL_KV), \
     int(FailReason.TOKEN)
 _W_TOKEN, _W_POS = int(FailReason.WRITE_TOKEN), int(FailReason.WRITE_POSITION)
@@ -45,7 +44,13 @@ _SCAN_FIRST, _SGLANG_FIRST = _U(fmt.SCAN_ANCHOR), _U(fmt.ANCHOR_HASH)
 _NO_WORDS = np.zeros((1, 1, 1), dtype=np.uint64)  # the fingerprint's sources when there are none
 _NONE = np.zeros(0, dtype=np.int64)  # an optional array that is absent
 
-_jit = njit(cache=True, nogil=True)
+
+def _jit(fn):
+    """Compiled on first call, and cached on disk where numba finds a place to write."""
+    try:
+        return njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # no writable cache location: compiled once per process
+        return njit(nogil=True)(fn)
 
 
 # --- hashes (format.py's, on one uint64 at a time) ------------------------------
