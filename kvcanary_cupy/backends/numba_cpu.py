@@ -519,27 +519,7 @@ def prepare_plan(vp, wp, *, stream=None, **inputs):
     return lambda _stream: plan(vp, wp, **inputs)
 
 
-def prepare_plan_and_verify(vp, wp, canary, *, stream=None, log, tag, sources, mode, check_tokens, sample,
-                            digest=None, **plan_inputs):
-    """:func:`plan` then :func:`verify`, bound; with ``digest``, then the reference's entry digest."""
-    def run(_stream):
-        plan(vp, wp, **plan_inputs)
-        verify(canary, vp, log=log, tag=tag, sources=sources, mode=mode, check_tokens=check_tokens, sample=sample)
-        if digest is not None:
-            reference.entry_digest(vp, out=digest)
-    return run
-
-
-def prepare_plan_verify_write(vp, wp, canary, *, stream=None, log, tag, write_tag, check_tokens, input_ids,
-                              positions, out_cache_loc, expected_tokens, expected_positions, **plan_inputs):
-    """:func:`plan`, :func:`verify`, then :func:`write` (no real-KV folds), bound."""
-    def run(_stream):
-        plan(vp, wp, **plan_inputs)
-        verify(canary, vp, log=log, tag=tag, sources=(), mode=RealKvMode.NONE, check_tokens=check_tokens, sample=None)
-        write(canary, wp, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, log=log,
-              tag=write_tag, sources=(), mode=RealKvMode.NONE, expected_tokens=expected_tokens,
-              expected_positions=expected_positions)
-    return run
+prepare_plan_and_verify, prepare_plan_verify_write = reference.fused_preparers(plan, verify, write)
 
 
 def prepare_write(canary, wp, *, stream=None, digest=None, max_row_tokens=None, **inputs):

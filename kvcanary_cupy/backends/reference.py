@@ -535,28 +535,37 @@ def prepare_plan(vp, wp, *, stream=None, **inputs):
     return lambda _stream: plan(vp, wp, **inputs)
 
 
-def prepare_plan_and_verify(vp, wp, canary, *, stream=None, log, tag, sources, mode, check_tokens, sample,
-                            digest=None, **plan_inputs):
-    """:func:`plan` then :func:`verify`, bound (the NumPy backend writes the entries too);
-    with ``digest``, then :func:`entry_digest` into it."""
-    def run(_stream):
-        plan(vp, wp, **plan_inputs)
-        verify(canary, vp, log=log, tag=tag, sources=sources, mode=mode, check_tokens=check_tokens, sample=sample)
-        if digest is not None:
-            entry_digest(vp, out=digest)
-    return run
+def fused_preparers(plan, verify, write):
+    """``(prepare_plan_and_verify, prepare_plan_verify_write)`` of a CPU backend whose ``plan``,
+    ``verify`` and ``write`` take the arguments of this module's: the fused ops as those ops in
+    turn (a CPU backend writes the entries too)."""
+    def prepare_plan_and_verify(vp, wp, canary, *, stream=None, log, tag, sources, mode, check_tokens, sample,
+                                digest=None, **plan_inputs):
+        """plan then verify, bound; with ``digest``, then :func:`entry_digest` into it."""
+        def run(_stream):
+            plan(vp, wp, **plan_inputs)
+            verify(canary, vp, log=log, tag=tag, sources=sources, mode=mode, check_tokens=check_tokens,
+                   sample=sample)
+            if digest is not None:
+                entry_digest(vp, out=digest)
+        return run
+
+    def prepare_plan_verify_write(vp, wp, canary, *, stream=None, log, tag, write_tag, check_tokens, input_ids,
+                                  positions, out_cache_loc, expected_tokens, expected_positions, **plan_inputs):
+        """plan, verify, then write (no real-KV folds), bound."""
+        def run(_stream):
+            plan(vp, wp, **plan_inputs)
+            verify(canary, vp, log=log, tag=tag, sources=(), mode=RealKvMode.NONE, check_tokens=check_tokens,
+                   sample=None)
+            write(canary, wp, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, log=log,
+                  tag=write_tag, sources=(), mode=RealKvMode.NONE, expected_tokens=expected_tokens,
+                  expected_positions=expected_positions)
+        return run
+
+    return prepare_plan_and_verify, prepare_plan_verify_write
 
 
-def prepare_plan_verify_write(vp, wp, canary, *, stream=None, log, tag, write_tag, check_tokens, input_ids,
-                              positions, out_cache_loc, expected_tokens, expected_positions, **plan_inputs):
-    """:func:`plan`, :func:`verify`, then :func:`write` (no real-KV folds), bound."""
-    def run(_stream):
-        plan(vp, wp, **plan_inputs)
-        verify(canary, vp, log=log, tag=tag, sources=(), mode=RealKvMode.NONE, check_tokens=check_tokens, sample=None)
-        write(canary, wp, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, log=log,
-              tag=write_tag, sources=(), mode=RealKvMode.NONE, expected_tokens=expected_tokens,
-              expected_positions=expected_positions)
-    return run
+prepare_plan_and_verify, prepare_plan_verify_write = fused_preparers(plan, verify, write)
 
 
 def entry_digest(vp, *, out):
