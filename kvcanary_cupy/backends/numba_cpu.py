@@ -426,6 +426,8 @@ def gather_reads(layers, offsets, block_elems, block_size, shadow, table, rows, 
     n = 0
     for i in range(rows.shape[0]):
         row = np.int64(rows[i])
+        if row < 0 or row >= table.shape[0]:  # no row of the table: nothing it maps (no bounds checks here)
+            continue
         for pos in range(min(np.int64(prefix[i]), np.int64(table.shape[1]) * block_size)):
             s = np.int64(table[row, pos // block_size]) * block_size + pos % block_size
             if s >= 0 and s < shadow.shape[1]:
