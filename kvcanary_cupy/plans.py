@@ -59,8 +59,9 @@ def decode_input_error(words) -> dict | None:
         >>> decode_input_error([2, 5, 40, 1, -1, -1])["prefix_len"], decode_input_error([-1] * 6)
         (40, None)
     """
-    got = dict(zip(INPUT_ERROR_FIELDS, (int(w) for w in words)))
-    return got if got["batch_row"] >= 0 else None
+    if int(words[0]) < 0:  # every clean plan: no row dropped
+        return None
+    return dict(zip(INPUT_ERROR_FIELDS, (int(w) for w in words)))
 
 
 def describe_input_error(e: dict, *, request=None, page_size: int = 1) -> str:

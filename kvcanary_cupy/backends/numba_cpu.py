@@ -439,13 +439,26 @@ def gather_reads(layers, offsets, block_elems, block_size, shadow, table, rows, 
 # --- the Python side: the ops' arguments as the compiled loops take them ----------
 def _sources(sources, mode):
     """``(words, ks, on)``: each source as uint64 ``[layers, slots, words]`` and the words of a
-    slot it hashes (16 bytes in PARTIAL mode, ``read_bytes`` in ALL)."""
+    slot it hashes (16 bytes in PARTIAL mode, ``read_bytes`` in ALL). A source's bytes are
+    fixed for its life, so a prepared call's sources (the same tuple at every launch) are
+    laid out once."""
+    hit = _LAID_OUT.get(id(sources))
+    if hit is not None and hit[0] is sources and hit[1] == mode:
+        return hit[2]
     if mode == RealKvMode.NONE or not sources:
-        return (_NO_WORDS,), np.zeros(1, dtype=np.int64), False
-    words = tuple(s.data.view(np.uint64).reshape(s.num_layers, -1, s.bytes_per_token // 8) for s in sources)
-    ks = np.array([(fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else s.read_bytes) // 8 for s in sources],
-                  dtype=np.int64)
-    return words, ks, True
+        out = (_NO_WORDS,), np.zeros(1, dtype=np.int64), False
+    else:
+        words = tuple(s.data.view(np.uint64).reshape(s.num_layers, -1, s.bytes_per_token // 8) for s in sources)
+        ks = np.array([(fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else s.read_bytes) // 8 for s in sources],
+                      dtype=np.int64)
+        out = words, ks, True
+    if len(_LAID_OUT) >= 64:
+        _LAID_OUT.clear()
+    _LAID_OUT[id(sources)] = (sources, mode, out)  # holding the tuple keeps its id from being reused
+    return out
+
+
+_LAID_OUT: dict = {}  # id(sources) -> (sources, mode, laid out)
 
 
 def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected):

@@ -161,7 +161,7 @@ class GatheredSlots:
 
     @staticmethod
     def _compiled():
-        from ...backends import numba_cpu  # noqa: PLC0415
+        from ...backends import numba_cpu  # noqa: PLC0415  (numba, imported on the first compiled gather)
 
         return numba_cpu
 
