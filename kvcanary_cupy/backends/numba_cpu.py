@@ -155,7 +155,6 @@ def _plan(rp, prefix, extend, table, page_size, width, lut, swa_size, exp_table,
     input_errors, overflows and max_requested arrays, in that order."""
     bs = rp.shape[0]
     nreq = table.shape[0]
-    ok = np.zeros(bs, dtype=np.bool_)
     start = np.zeros(bs, dtype=np.int64)
     count = np.zeros(bs, dtype=np.int64)
     errors = 0
@@ -179,7 +178,6 @@ def _plan(rp, prefix, extend, table, page_size, width, lut, swa_size, exp_table,
                     bad_pos = pos
                     good = False
                     break
-        ok[r] = good
         if active and not good:
             errors += 1
             if first_dropped < 0:
