@@ -60,6 +60,9 @@ class FlashWorker:
         dtype = dtype or torch.float16
         self.kv = {n: torch.zeros((2, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device=device)
                    for n in self.names}
+        # A GPU worker's stand-in: on the CPU its checks stay on the reference (the choice is the
+        # process's, and this worker is never closed).
+        options.setdefault("cpu_backend", "numpy")
         self.worker = WorkerSide(cfg, kv_cfg, parse_options(options))
         self.worker.register(self.kv)
         self.width = -(-max_model_len // block_size)

@@ -116,10 +116,11 @@ class WorkerSide:
         choice = self.options.get("cpu_backend", "auto")
         if choice == "auto":
             import importlib.util  # noqa: PLC0415
+            import os  # noqa: PLC0415
 
-            from vllm import envs  # noqa: PLC0415
-
-            own_process = bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
+            # vLLM's own reading of the switch (vllm.envs); read here too where vLLM's workers
+            # are stood in for without vLLM installed.
+            own_process = bool(int(os.getenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")))
             choice = "numba" if own_process and importlib.util.find_spec("numba") is not None else "numpy"
         self.cpu_backend = choice
         self._previous_cpu_backend = use_cpu_backend(choice)
