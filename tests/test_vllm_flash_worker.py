@@ -103,3 +103,22 @@ def test_a_step_of_more_tokens_than_sized_for_grows_its_buffers_and_stays_clean(
     assert _steps(eng, 5) == []
     s = eng.worker.stats()
     assert s["slots_written"] == 107 + 4 * 3 and s["slots_checked"] == s["slots_read"] > 0
+
+
+@pytest.mark.parametrize("multiprocessing, expected", [("1", "numba"), ("0", "numpy")])
+def test_auto_cpu_backend_follows_where_the_engine_core_runs(monkeypatch, multiprocessing, expected):
+    """``cpu_backend="auto"`` on a CPU worker: numba where vLLM runs the engine core in a process of
+    its own, the reference in the caller's process; the worker's close puts the choice back."""
+    if expected == "numba":
+        pytest.importorskip("numba")
+    import kvcanary_cupy as kc
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)
+    before = kc.cpu_backend()
+    eng = _engine("cpu", cpu_backend="auto")
+    try:
+        assert eng.worker.cpu_backend == expected and kc.cpu_backend() == expected
+        assert _steps(eng, 3) == [] and eng.worker.stats()["cpu_backend"] == expected
+    finally:
+        eng.worker.close()
+    assert kc.cpu_backend() == before
