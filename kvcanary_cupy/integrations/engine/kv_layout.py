@@ -158,7 +158,6 @@ class GatheredSlots:
         self.gathered += int(slots.size)
         return int(slots.size)
 
-
     @staticmethod
     def _compiled():
         from ...backends import numba_cpu  # noqa: PLC0415  (numba, imported on the first compiled gather)

@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
+import os
 import time
 
 from ...backends import use_cpu_backend
@@ -115,9 +117,6 @@ class WorkerSide:
         for this process until :meth:`close`."""
         choice = self.options.get("cpu_backend", "auto")
         if choice == "auto":
-            import importlib.util  # noqa: PLC0415
-            import os  # noqa: PLC0415
-
             # vLLM's own reading of the switch (vllm.envs); read here too where vLLM's workers
             # are stood in for without vLLM installed.
             own_process = bool(int(os.getenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")))
