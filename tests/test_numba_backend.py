@@ -92,3 +92,37 @@ def test_a_step_on_numba_finds_what_the_reference_finds():
     (found, checked, records), (found_nb, checked_nb, records_nb) = results
     assert found and found == found_nb and checked == checked_nb == 3 + 2  # the second step reads 3 + 2
     np.testing.assert_array_equal(records, records_nb)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_compile_ahead_leaves_the_canary_as_it_was(backend):
+    """``BlockTableCanary.compile_ahead`` (an engine's start, on numba) runs its step on a spare
+    canary: this one's records, counters and gather count stay as they were, and its first step
+    is checked as usual."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    from kvcanary_cupy.integrations.engine.block_table import AttentionStep, BlockTableCanary
+    from kvcanary_cupy.integrations.engine.kv_layout import GatheredSlots
+
+    previous = kc.use_cpu_backend(backend)
+    try:
+        bs, dim = 4, 8
+        kv = np.arange(6 * 2 * bs * dim, dtype=np.float32).reshape(6, 2 * bs * dim)  # 6 blocks
+        k_off = np.arange(dim)[None, :] * bs + np.arange(bs)[:, None]
+        v_off = bs * dim + np.arange(bs)[:, None] * dim + np.arange(dim)[None, :]
+        fp = GatheredSlots([kv], block_size=bs, key_offsets=k_off, value_offsets=v_off, mode=kc.RealKvMode.PARTIAL,
+                           num_slots=6 * bs)
+        c = BlockTableCanary(num_blocks=6, block_size=bs, rows=3, width=4, max_batch=2, device="cpu", fingerprints=fp)
+        c.compile_ahead()
+        assert not c.monitor.canary.records.any() and fp.gathered == 0
+        assert (c.monitor.stats()["slots_checked"], c.monitor.stats()["slots_written"]) == (0, 0)
+
+        class Req:
+            initial_tokens, generated_tokens = [5, 6, 7, 8, 9], []
+        step = AttentionStep(rows=[1], tags=["a"], states=[Req()], fresh=[True], block_table=np.array([[3, 5]], np.int32),
+                             seq_lens=np.array([5]), query_start_loc=np.array([0, 5]),
+                             slot_mapping=np.array([12, 13, 14, 15, 20]), tokens=[5, 6, 7, 8, 9])
+        assert c.check_reads(step) == [] and c.stamp_writes(step) == []
+        assert c.monitor.stats()["slots_written"] == 5 and c.monitor.canary.records[[12, 20], 0].tolist() == [5, 9]
+    finally:
+        kc.use_cpu_backend(previous)

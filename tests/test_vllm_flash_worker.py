@@ -118,6 +118,9 @@ def test_auto_cpu_backend_follows_where_the_engine_core_runs(monkeypatch, multip
     eng = _engine("cpu", cpu_backend="auto")
     try:
         assert eng.worker.cpu_backend == expected and kc.cpu_backend() == expected
+        # numba's ops were compiled at the start, on a spare canary: this one has seen nothing yet
+        mon = eng.worker.stats()
+        assert (mon["slots_checked"], mon["slots_written"], mon["violations"]) == (0, 0, 0)
         assert _steps(eng, 3) == [] and eng.worker.stats()["cpu_backend"] == expected
     finally:
         eng.worker.close()

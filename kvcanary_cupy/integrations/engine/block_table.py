@@ -27,6 +27,7 @@ import dataclasses
 
 import numpy as np
 
+from ...backends import cpu_backend
 from .staging import ChangeUpload, StepArrays, TokenStaging
 from .step_arrays import ops_for, positions
 from .tables import ExpectedTable
@@ -72,6 +73,14 @@ class AttentionStep:
     host_seq_lens: list | None = None
     host_query_start_loc: list | None = None
     stream: int | None = None
+
+
+@dataclasses.dataclass
+class _Tokens:
+    """A request's tokens as :attr:`AttentionStep.states` holds them."""
+
+    initial_tokens: list
+    generated_tokens: list
 
 
 class BlockTableCanary:
@@ -124,6 +133,7 @@ class BlockTableCanary:
         self.expected = ExpectedTable(int(rows), 256, device, self.valid)
         self.fingerprints = fingerprints
         opts = dict(options or {})
+        self._options = dict(opts)  # as given: compile_ahead builds a spare canary with them
         # A step verifies at most max_batch * width * block_size records (requests sharing a
         # prefix each verify it); a larger step grows the plan.
         opts.setdefault("verify_capacity", max(1, min(int(max_batch) * int(width) * self.block_size,
@@ -291,6 +301,39 @@ class BlockTableCanary:
             self.ops.copy_into(t["loc"], slots, ptr)
         longest = int(extend.max() if others.size == 0 else extend[idx].max())
         self.monitor.after_forward(num_tokens=m, max_row_tokens=longest, stream=ptr)
+
+    def compile_ahead(self) -> None:
+        """On the numba CPU backend, compile now what a step runs (numba compiles each op at its
+        first call: seconds with nothing cached, which would stall the engine's first request):
+        a throwaway request's prefill and decode, on a spare canary of this one's kind (three
+        blocks, this canary's fingerprint sources and options, without events or metrics). This
+        canary is not touched; the sources' shadow is refreshed from the live K/V, as every check
+        refreshes it, and their gather count is kept as it was. Nothing to do elsewhere."""
+        if not self.ops.cpu or cpu_backend() != "numba" or self.num_slots < 3 * self.block_size:
+            return
+        # Neither the compiled code's types nor the result depend on these: the spare keeps its
+        # own capacity, and reports nowhere.
+        opts = {k: v for k, v in self._options.items() if k not in ("events", "metrics", "verify_capacity")}
+        spare = BlockTableCanary(num_blocks=3, block_size=self.block_size, rows=2, width=2, max_batch=1,
+                                 device="cpu", fingerprints=self.fingerprints, name="compile-ahead", options=opts,
+                                 max_tokens=8)
+        gathered = getattr(self.fingerprints, "gathered", None)
+        blocks = [1, 2]
+        slot = [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(3)]
+        request = _Tokens(initial_tokens=[1, 2, 3], generated_tokens=[])
+        prefill = AttentionStep(rows=[1], tags=["compile-ahead"], states=[request], fresh=[True],
+                                block_table=np.array([blocks], dtype=np.int32), seq_lens=np.array([2]),
+                                query_start_loc=np.array([0, 2]), slot_mapping=np.array(slot[:2]), tokens=[1, 2])
+        decode = dataclasses.replace(prefill, fresh=[False], seq_lens=np.array([3]), query_start_loc=np.array([0, 1]),
+                                     slot_mapping=np.array(slot[2:]), tokens=[3])
+        try:
+            for step in (prefill, decode):
+                spare.check_reads(step)
+                spare.stamp_writes(step)
+        finally:
+            spare.monitor.close()
+            if gathered is not None:
+                self.fingerprints.gathered = gathered
 
     def _stream(self, step: AttentionStep):
         """The raw stream of the step's launches (None on the CPU): the step's, else PyTorch's current one."""

@@ -110,6 +110,7 @@ class WorkerSide:
                                       max_batch=max_batch, device=device, fingerprints=fp, name=f"group{i}",
                                       options=mon, max_tokens=int(cfg.scheduler_config.max_num_batched_tokens))
             self.groups.append(Group(i, type(spec).__name__, tuple(g.layer_names), bs, canary))
+            canary.compile_ahead()  # at the engine's start, not in its first request's step
         self.rows = RowPool(2 * max_batch + 1)
 
     def _pick_cpu_backend(self) -> None:
