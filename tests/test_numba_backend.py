@@ -126,3 +126,35 @@ def test_compile_ahead_leaves_the_canary_as_it_was(backend):
         assert c.monitor.stats()["slots_written"] == 5 and c.monitor.canary.records[[12, 20], 0].tolist() == [5, 9]
     finally:
         kc.use_cpu_backend(previous)
+
+
+def test_a_pool_fingerprinted_on_numba_is_freed_with_its_objects():
+    """The compiled backend keeps a prepared call's sources laid out, but never the pool past the
+    objects that hold it."""
+    pytest.importorskip("numba")
+    import gc
+    import weakref
+
+    previous = kc.use_cpu_backend("numba")
+    try:
+        pool = np.ones((64, 16), dtype=np.uint8)
+        alive = weakref.ref(pool)
+        src = kc.RealKvSource(pool, bytes_per_token=16)
+        canary = kc.CanaryBuffer.allocate(num_slots=64)
+        vp, wp = kc.VerifyPlan.allocate(capacity=8, max_batch=1), kc.WritePlan.allocate(max_batch=1)
+        log = kc.ViolationLog.allocate(capacity=4)
+        table = np.arange(64, dtype=np.int32).reshape(4, 16)
+        for prefix, tokens in ((0, [7, 8]), (2, [9])):
+            kc.plan(vp, wp, req_to_token=table, req_pool_indices=np.array([1]), prefix_lens=np.array([prefix]),
+                    extend_lens=np.array([len(tokens)]))
+            kc.verify(canary, vp, log=log, tag=kc.LaunchTag.VERIFY, real_kv=src, real_kv_mode=kc.RealKvMode.ALL)
+            kc.write(canary, wp, input_ids=np.array(tokens), positions=np.arange(prefix, prefix + len(tokens)),
+                     out_cache_loc=np.arange(16 + prefix, 16 + prefix + len(tokens)), log=log,
+                     tag=kc.LaunchTag.WRITE, real_kv=src, real_kv_mode=kc.RealKvMode.ALL)
+        assert log.count == 0 and log.counters()["slots_checked"] == 2
+        assert canary.records[16:19, 3].all()  # fingerprinted: the pool's bytes were read
+        del pool, src, canary, vp, wp, log
+        gc.collect()
+        assert alive() is None
+    finally:
+        kc.use_cpu_backend(previous)

@@ -15,6 +15,8 @@ and the tensor-parallel digests are not on a step's hot path and run on the refe
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numba import njit
 
@@ -41,7 +43,6 @@ _SLOT_OOR, _INPUT_OOR, _RESERVED = int(FailReason.SLOT_OUT_OF_RANGE), int(FailRe
     int(FailReason.RESERVED_SLOT)
 _SEED_SKIP, _RESERVED_SLOT, _PADDING_REQ = fmt.SEED_SKIP, fmt.RESERVED_SLOT, fmt.PADDING_REQ
 _SCAN_FIRST, _SGLANG_FIRST = _U(fmt.SCAN_ANCHOR), _U(fmt.ANCHOR_HASH)
-_NO_WORDS = np.zeros((1, 1, 1), dtype=np.uint64)  # the fingerprint's sources when there are none
 _NONE = np.zeros(0, dtype=np.int64)  # an optional array that is absent
 
 
@@ -438,25 +439,23 @@ def gather_reads(layers, offsets, block_elems, block_size, shadow, table, rows, 
 def _sources(sources, mode):
     """``(words, ks, on)``: each source as uint64 ``[layers, slots, words]`` and the words of a
     slot it hashes (16 bytes in PARTIAL mode, ``read_bytes`` in ALL). A source's bytes are
-    fixed for its life, so a prepared call's sources (the same tuple at every launch) are
-    laid out once."""
-    hit = _LAID_OUT.get(id(sources))
-    if hit is not None and hit[0] is sources and hit[1] == mode:
-        return hit[2]
+    fixed for its life, so the layout of a prepared call's sources is kept, for as long as its
+    first source lives (a layout holds views of the sources' pools, never the sources)."""
     if mode == RealKvMode.NONE or not sources:
-        out = (_NO_WORDS,), np.zeros(1, dtype=np.int64), False
-    else:
-        words = tuple(s.data.view(np.uint64).reshape(s.num_layers, -1, s.bytes_per_token // 8) for s in sources)
-        ks = np.array([(fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else s.read_bytes) // 8 for s in sources],
-                      dtype=np.int64)
-        out = words, ks, True
-    if len(_LAID_OUT) >= 64:
-        _LAID_OUT.clear()
-    _LAID_OUT[id(sources)] = (sources, mode, out)  # holding the tuple keeps its id from being reused
-    return out
+        return _NO_SOURCES
+    hit = _LAID_OUT.get(sources[0])
+    if hit is not None and hit[1] == mode and len(hit[0]) == len(sources) and \
+            all(r() is s for r, s in zip(hit[0], sources)):
+        return hit[2]
+    words = tuple(s.data.view(np.uint64).reshape(s.num_layers, -1, s.bytes_per_token // 8) for s in sources)
+    ks = np.array([(fmt.KV_CHUNK_BYTES if mode == RealKvMode.PARTIAL else s.read_bytes) // 8 for s in sources],
+                  dtype=np.int64)
+    _LAID_OUT[sources[0]] = (tuple(weakref.ref(s) for s in sources), mode, (words, ks, True))
+    return _LAID_OUT[sources[0]][2]
 
 
-_LAID_OUT: dict = {}  # id(sources) -> (sources, mode, laid out)
+_NO_SOURCES = ((np.zeros((1, 1, 1), dtype=np.uint64),), np.zeros(1, dtype=np.int64), False)
+_LAID_OUT = weakref.WeakKeyDictionary()  # a call's first source -> (its sources, weakly; mode; layout)
 
 
 def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected):

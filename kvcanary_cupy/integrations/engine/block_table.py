@@ -24,6 +24,7 @@ staged in pinned memory and travel in one launch with the expected tokens' chang
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 
@@ -73,14 +74,6 @@ class AttentionStep:
     host_seq_lens: list | None = None
     host_query_start_loc: list | None = None
     stream: int | None = None
-
-
-@dataclasses.dataclass
-class _Tokens:
-    """A request's tokens as :attr:`AttentionStep.states` holds them."""
-
-    initial_tokens: list
-    generated_tokens: list
 
 
 class BlockTableCanary:
@@ -320,7 +313,7 @@ class BlockTableCanary:
         gathered = getattr(self.fingerprints, "gathered", None)
         blocks = [1, 2]
         slot = [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(3)]
-        request = _Tokens(initial_tokens=[1, 2, 3], generated_tokens=[])
+        request = types.SimpleNamespace(initial_tokens=[1, 2, 3], generated_tokens=[])
         prefill = AttentionStep(rows=[1], tags=["compile-ahead"], states=[request], fresh=[True],
                                 block_table=np.array([blocks], dtype=np.int32), seq_lens=np.array([2]),
                                 query_start_loc=np.array([0, 2]), slot_mapping=np.array(slot[:2]), tokens=[1, 2])
