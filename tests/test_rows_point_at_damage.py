@@ -117,6 +117,24 @@ def test_a_plan_names_its_first_dropped_row_and_the_table_entry_at_fault(xp, dev
     assert s.vp.host_first_input_error() is None
 
 
+def test_a_block_id_whose_last_offsets_overflow_drops_the_row_at_the_first_of_them(xp, device):
+    """Page size 3: the largest block id whose slots at offsets 0 and 1 fit int64 has none at
+    offset 2; a row reading only the first two is planned, one reading the third is dropped there."""
+    big = (np.iinfo(np.int64).max - 1) // 3
+    assert big * 3 + 1 <= np.iinfo(np.int64).max < big * 3 + 2
+    bt = np.zeros((2, 3), np.int64)
+    bt[1, :2] = [2, big]
+    for prefix, error in ((5, None), (6, dict(batch_row=0, request_row=1, prefix_len=6, extend_len=1, position=5,
+                                             table_value=big))):
+        vp = kc.VerifyPlan.allocate(capacity=16, max_batch=1, device=device)
+        kc.plan(vp, None, req_pool_indices=xp.asarray([1]), prefix_lens=xp.asarray([prefix]),
+                extend_lens=xp.asarray([1]), block_table=xp.asarray(bt), page_size=3)
+        assert vp.host_first_input_error() == error
+        planned = 0 if error else prefix
+        assert int(host(vp.num_valid)[0]) == planned
+        assert host(vp.slot_indices)[:planned].tolist() == [6, 7, 8, 3 * big, 3 * big + 1][:planned]
+
+
 def test_a_page_table_names_the_block_entry(xp, device):
     bt = np.zeros((3, 4), np.int32)
     bt[1, :2] = [5, -7]  # request row 1's second block id is negative: unreadable

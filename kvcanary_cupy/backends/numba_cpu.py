@@ -149,6 +149,27 @@ def _slot_at(table, page_size, row, pos, lut):
 
 
 @_jit
+def _first_unreadable(table, page_size, row, lo, hi, lut):
+    """The first position of ``[lo, hi)`` that row ``row`` of the table cannot map (see
+    :func:`_slot_at`), else -1. Without a LUT a block is checked at once, at the last offset
+    the range uses in it: an entry too large for an offset is too large for every later one."""
+    pos = np.int64(lo)
+    while pos < hi:
+        end = pos + 1
+        if lut.shape[0] == 0 and page_size > 1:
+            end = pos + min(page_size - pos % page_size, hi - pos)
+            raw = np.int64(table[row, pos // page_size])
+            if raw >= 0 and raw <= (_I64_MAX - (end - 1) % page_size) // page_size:
+                pos = end
+                continue
+        for at in range(pos, end):
+            if _slot_at(table, page_size, row, at, lut)[1]:
+                return at
+        pos = end
+    return np.int64(-1)
+
+
+@_jit
 def _plan(rp, prefix, extend, table, page_size, width, lut, swa_size, exp_table, exp_valid, exp_offset, has_exp,
           vp_slot, vp_prev, vp_pos, vp_tok, vp_offsets, vp_scalars, first_error, has_vp,
           wp_offsets, wp_seeds, wp_num_rows, wp_errors, has_wp):
@@ -174,11 +195,9 @@ def _plan(rp, prefix, extend, table, page_size, width, lut, swa_size, exp_table,
         if good:
             s = max(p - swa_size, 0) if swa_size >= 0 else np.int64(0)
             start[r] = s
-            for pos in range(max(s - 1, 0), p):  # every slot the row reads: window, head's predecessor, seed
-                if _slot_at(table, page_size, q, pos, lut)[1]:
-                    bad_pos = pos
-                    good = False
-                    break
+            # every slot the row reads: window, head's predecessor, seed
+            bad_pos = _first_unreadable(table, page_size, q, max(s - 1, 0), p, lut)
+            good = bad_pos < 0
         if active and not good:
             errors += 1
             if first_dropped < 0:
@@ -229,17 +248,28 @@ def _plan(rp, prefix, extend, table, page_size, width, lut, swa_size, exp_table,
                 if has_exp:
                     lim = min(np.int64(exp_valid[r]), np.int64(exp_table.shape[1]))
                 prev = _slot_at(table, page_size, q, start[r] - 1, lut)[0] if start[r] > 0 else np.int64(-1)
-                for pos in range(start[r], start[r] + count[r]):
-                    slot = _slot_at(table, page_size, q, pos, lut)[0]
-                    vp_slot[i], vp_prev[i], vp_pos[i] = slot, prev, pos
-                    prev = slot  # the next position's predecessor
-                    tok = np.int64(-1)
-                    if has_exp:
-                        k = pos + exp_offset
-                        if k >= 0 and k < lim:
-                            tok = np.int64(exp_table[q, k])
-                    vp_tok[i] = tok
-                    i += 1
+                pos, end = start[r], start[r] + count[r]
+                while pos < end:
+                    # A block at a time (its table entry read once): every slot was found readable.
+                    take, slot = np.int64(1), np.int64(0)
+                    if lut.shape[0] == 0 and page_size > 1:
+                        off = pos % page_size
+                        take = min(page_size - off, end - pos)
+                        slot = np.int64(table[q, pos // page_size]) * page_size + off
+                    for j in range(take):
+                        if take == 1:
+                            slot = _slot_at(table, page_size, q, pos, lut)[0]
+                        vp_slot[i], vp_prev[i], vp_pos[i] = slot, prev, pos
+                        prev = slot  # the next position's predecessor
+                        tok = np.int64(-1)
+                        if has_exp:
+                            k = pos + exp_offset
+                            if k >= 0 and k < lim:
+                                tok = np.int64(exp_table[q, k])
+                        vp_tok[i] = tok
+                        i += 1
+                        pos += 1
+                        slot += 1
     if has_wp:
         wp_offsets[bs:] = w_total
         wp_seeds[bs:] = -1
@@ -248,29 +278,32 @@ def _plan(rp, prefix, extend, table, page_size, width, lut, swa_size, exp_table,
 
 
 # --- verify ------------------------------------------------------------------
+# The check loop keeps no growing array of rows (an array rebound in a loop costs numba
+# reference counting on every entry, several times the check itself): it notes each
+# flagged entry and what it found, and the rows are built from those notes afterwards.
+_NOTE_BITS, _NOTE_EXPECTED, _NOTE_LIVE_FP = 0, 1, 2
+
+
 @_jit
 def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens, period, phase, words, ks, fp_on):
     """``reference.verify`` of entries ``[0, n)``; returns its violation rows with each
     entry's index in the batch-row column (the caller names the row)."""
     N = rec.shape[0]
-    first = _SCAN_FIRST if scan else _SGLANG_FIRST
+    first = np.int64(_SCAN_FIRST if scan else _SGLANG_FIRST)
     counters[_CTR_CHECKED] += n
-    out = np.empty((0, _WORDS), dtype=np.int64)
+    flagged = np.empty(n, dtype=np.int64)
+    notes = np.empty((n, 3), dtype=np.int64)
     k = 0
     for e in range(n):
         slot, prev, pos, tok = np.int64(slots[e]), np.int64(prevs[e]), np.int64(epos[e]), np.int64(etok[e])
-        prev_position = np.int64(-1)
-        if prev > 0 and prev < N:
-            prev_position = rec[prev, _POSITION]
         reserved = slot == _RESERVED_SLOT
         if reserved or slot < 0 or slot >= N or prev < -1 or prev >= N:
-            if k == out.shape[0]:
-                out = _grow(out)
-            k = _row(out, k, tag, slot, -1, -1, tok, 0, 0, _RESERVED if reserved else _SLOT_OOR, e, pos, prev,
-                     prev_position, 0, 0, -1, -1, -1, -1)
+            flagged[k] = e
+            notes[k, _NOTE_BITS] = _RESERVED if reserved else _SLOT_OOR
+            k += 1
             continue
-        stored, r_pos, r_tok, stored_fp = rec[slot, _LINK], rec[slot, _POSITION], rec[slot, _TOKEN], rec[slot, _FP]
-        expected = np.int64(first)
+        stored, stored_fp = rec[slot, _LINK], rec[slot, _FP]
+        expected = first
         if prev > 0:
             expected = np.int64(_next_link(rec[prev, _LINK], rec[prev, _TOKEN], rec[prev, _POSITION], scan))
         elif prev == 0:  # the padding predecessor: the chain is not checked
@@ -278,9 +311,9 @@ def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens,
         bits = 0
         if stored != expected:
             bits |= _CHAIN
-        if r_pos != pos:
+        if rec[slot, _POSITION] != pos:
             bits |= _POS
-        if check_tokens and tok != -1 and r_tok != tok:
+        if check_tokens and tok != -1 and rec[slot, _TOKEN] != tok:
             bits |= _TOK
         live_fp = stored_fp
         if period == 0 or slot % period == phase:
@@ -288,11 +321,22 @@ def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens,
             if live_fp != stored_fp:
                 bits |= _REAL_KV
         if bits:
-            if k == out.shape[0]:
-                out = _grow(out)
-            k = _row(out, k, tag, slot, r_pos, r_tok, tok, stored, expected, bits, e, pos, prev,
-                     prev_position, stored_fp, live_fp, -1, -1, -1, -1)
-    return out[:k]
+            flagged[k] = e
+            notes[k, _NOTE_BITS], notes[k, _NOTE_EXPECTED], notes[k, _NOTE_LIVE_FP] = bits, expected, live_fp
+            k += 1
+    out = np.empty((k, _WORDS), dtype=np.int64)
+    for i in range(k):
+        e = flagged[i]
+        slot, prev, pos, tok = np.int64(slots[e]), np.int64(prevs[e]), np.int64(epos[e]), np.int64(etok[e])
+        prev_position = rec[prev, _POSITION] if prev > 0 and prev < N else np.int64(-1)
+        bits = notes[i, _NOTE_BITS]
+        if bits == _RESERVED or bits == _SLOT_OOR:  # the record is not read
+            _row(out, i, tag, slot, -1, -1, tok, 0, 0, bits, e, pos, prev, prev_position, 0, 0, -1, -1, -1, -1)
+        else:
+            _row(out, i, tag, slot, rec[slot, _POSITION], rec[slot, _TOKEN], tok, rec[slot, _LINK],
+                 notes[i, _NOTE_EXPECTED], bits, e, pos, prev, prev_position, rec[slot, _FP],
+                 notes[i, _NOTE_LIVE_FP], -1, -1, -1, -1)
+    return out
 
 
 @_jit
