@@ -78,3 +78,22 @@ def test_gather_reads_follows_the_table():
         np.testing.assert_array_equal(np.stack([g.shadow[0::2, s], g.shadow[1::2, s]], axis=1), want)
     assert not g.shadow[:, np.setdiff1d(np.arange(blocks * block_size), read)].any()
     assert g.gather_reads(table, rows=[1], prefix=[0]) == 0
+
+
+def test_gather_reads_of_forged_entries_reads_only_slots_of_the_pool():
+    """Negative block ids and ids past the pool gather nothing; one whose slot number wraps
+    int64 into the pool gathers the slot it wraps to (its own block's bytes, never another
+    address). Both CPU backends count and copy alike."""
+    rng = np.random.default_rng(5)
+    blocks, block_size = 4, 4
+    kv, k_off, v_off = _engine(rng, np.float32, blocks=blocks, block_size=block_size, layers=2, n=4)
+    g = GatheredSlots(kv, block_size=block_size, key_offsets=k_off, value_offsets=v_off, mode=RealKvMode.PARTIAL,
+                      num_slots=blocks * block_size)
+    wraps = (1 << 62) + 2  # times 4: 2**64 + 8, slot 8 onwards once wrapped
+    table = np.array([[-3, blocks, wraps, 1]], dtype=np.int64)
+    assert g.gather_reads(table, rows=[0], prefix=[14]) == 6  # 4 of the wrapped block, 2 of block 1
+    read = [8, 9, 10, 11, 4, 5]
+    for s in read:
+        want = _expected(kv, k_off, v_off, 4, block_size, s).view(np.uint32)
+        np.testing.assert_array_equal(np.stack([g.shadow[0::2, s], g.shadow[1::2, s]], axis=1), want)
+    assert not g.shadow[:, np.setdiff1d(np.arange(blocks * block_size), read)].any()

@@ -437,9 +437,9 @@ def _write(rec, scan, offsets, seeds, nrows, position_check, ids, poss, locs, ex
 
 # --- an engine layout's gather (kvcanary_cupy.integrations.engine.kv_layout) ------------
 @_jit
-def _gather_slot(layers, offsets, block_elems, block_size, shadow, slot):
-    base = (slot // block_size) * block_elems
-    at = slot % block_size
+def _gather_slot(layers, offsets, block_elems, shadow, slot, block, at):
+    """Copy slot ``slot`` (offset ``at`` of block ``block``) of every layer into ``shadow``."""
+    base = block * block_elems
     w = shadow.shape[2]
     for i in range(len(layers)):
         flat = layers[i]
@@ -457,7 +457,7 @@ def gather_slots(layers, offsets, block_elems, block_size, shadow, slots):
     for k in range(slots.shape[0]):
         s = np.int64(slots[k])
         if s >= 0 and s < shadow.shape[1]:
-            _gather_slot(layers, offsets, block_elems, block_size, shadow, s)
+            _gather_slot(layers, offsets, block_elems, shadow, s, s // block_size, s % block_size)
             n += 1
     return n
 
@@ -465,17 +465,27 @@ def gather_slots(layers, offsets, block_elems, block_size, shadow, slots):
 @_jit
 def gather_reads(layers, offsets, block_elems, block_size, shadow, table, rows, prefix):
     """:meth:`GatheredSlots.gather_reads`: :func:`gather_slots` of the slots table rows ``rows``
-    map positions ``[0, prefix[i])`` to (a position past the table's width maps to none)."""
+    map positions ``[0, prefix[i])`` to (a position past the table's width maps to none); a
+    block at a time, its table entry read once."""
     n = 0
+    num_slots = shadow.shape[1]
     for i in range(rows.shape[0]):
         row = np.int64(rows[i])
         if row < 0 or row >= table.shape[0]:  # no row of the table: nothing it maps (no bounds checks here)
             continue
-        for pos in range(min(np.int64(prefix[i]), np.int64(table.shape[1]) * block_size)):
-            s = np.int64(table[row, pos // block_size]) * block_size + pos % block_size
-            if s >= 0 and s < shadow.shape[1]:
-                _gather_slot(layers, offsets, block_elems, block_size, shadow, s)
-                n += 1
+        end = min(np.int64(prefix[i]), np.int64(table.shape[1]) * block_size)
+        for page in range(-(-end // block_size)):
+            block = np.int64(table[row, page])
+            first = block * block_size  # may wrap for a forged entry: its slots then name their own block
+            exact = block >= 0 and block <= (num_slots - 1) // block_size
+            for at in range(min(block_size, end - page * block_size)):
+                s = first + at
+                if s >= 0 and s < num_slots:
+                    if exact:
+                        _gather_slot(layers, offsets, block_elems, shadow, s, block, at)
+                    else:
+                        _gather_slot(layers, offsets, block_elems, shadow, s, s // block_size, s % block_size)
+                    n += 1
     return n
 
 
@@ -502,13 +512,15 @@ _NO_SOURCES = ((np.zeros((1, 1, 1), dtype=np.uint64),), np.zeros(1, dtype=np.int
 _LAID_OUT = weakref.WeakKeyDictionary()  # a call's first source -> (its sources, weakly; mode; layout)
 
 
-def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected):
+# Each op is bound once to its arguments (a prepared launch calls it step after step): what
+# is fixed for the call's life is laid out then, and a call reads only the arrays' values.
+def bind_plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size, swa, expected):
+    """:func:`plan` bound: a callable of no argument."""
     bs = req_pool_indices.shape[0]
     nreq, twidth = table.shape
     lut = swa.lut if swa is not None and swa.lut is not None else _NONE
     if expected is not None:
-        exp_table, exp_valid, exp_offset = expected.table, np.asarray(expected.valid_lens, np.int64), \
-            int(expected.offset)
+        exp_table, exp_valid, exp_offset = expected.table, expected.valid_lens, int(expected.offset)
     else:
         exp_table, exp_valid, exp_offset = _NONE.reshape(0, 0), _NONE, 0
     if vp is not None:
@@ -518,80 +530,114 @@ def plan(vp, wp, *, req_pool_indices, prefix_lens, extend_lens, table, page_size
     else:
         v = (_NONE, _NONE, _NONE, _NONE, _NONE, (_NONE,) * 6, _NONE)
     w = (wp.offsets, wp.seed_slots, wp.num_rows, wp.input_errors) if wp is not None else (_NONE,) * 4
+    fixed = (table, int(page_size), min(twidth * int(page_size), int(_I64_MAX)), lut,
+             -1 if swa is None else int(swa.size), exp_table)
+    rest = (exp_offset, expected is not None, *v, vp is not None, *w, wp is not None)
     # The per-row arrays as int64 (a few words each): fewer compiled variants of the plan.
-    i64 = np.int64
-    _plan(np.asarray(req_pool_indices, i64), np.asarray(prefix_lens[:bs], i64), np.asarray(extend_lens[:bs], i64),
-          table, int(page_size),
-          min(twidth * int(page_size), int(_I64_MAX)), lut, -1 if swa is None else int(swa.size),
-          exp_table, exp_valid, exp_offset, expected is not None, *v, vp is not None, *w, wp is not None)
+    per_row = (req_pool_indices, prefix_lens[:bs], extend_lens[:bs], exp_valid)
+    if all(x.dtype == np.int64 for x in per_row):
+        args = (*per_row[:3], *fixed, per_row[3], *rest)
+        return lambda: _plan(*args)
+
+    def run():
+        rp, pl, el, valid = (np.asarray(x, np.int64) for x in per_row)
+        _plan(rp, pl, el, *fixed, valid, *rest)
+    return run
 
 
-def verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
-    log.counter_array[fmt.CTR_KERNEL_RUNS] += 1
-    period = phase = 0
-    if sample is not None:
-        period, phase = int(sample.period), int(sample.state[0]) % sample.period
-        sample.state[0] += 1
-    enabled = int(vp.enable[0]) == 1
-    if not enabled:  # overflowed or never planned: nothing is checked, but it must show
-        log.counter_array[fmt.CTR_VERIFIES_SKIPPED] += 1
-    n = max(0, min(int(vp.num_valid[0]) if enabled else 0, vp.capacity))
-    if n == 0:
-        return
+def bind_verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
+    """:func:`verify` bound: a callable of no argument."""
+    counters = log.counter_array
+    fixed = (canary.records, canary.chain == fmt.CHAIN_SCAN, vp.slot_indices, vp.prev_slot_indices,
+             vp.expected_positions, vp.expected_tokens)
     words, ks, on = _sources(sources, mode)
-    rows = _verify(canary.records, canary.chain == fmt.CHAIN_SCAN, vp.slot_indices, vp.prev_slot_indices,
-                   vp.expected_positions, vp.expected_tokens, n, log.counter_array, int(tag), bool(check_tokens),
-                   period, phase, words, ks, on)
-    if rows.shape[0]:
-        col = fmt.COL_BATCH_ROW
-        rows[:, col] = np.searchsorted(vp.offsets.astype(np.int64), rows[:, col], side="right") - 1
-        reference._append(log, [rows])
+    tag, check_tokens, cap = int(tag), bool(check_tokens), vp.capacity
+
+    def run():
+        counters[fmt.CTR_KERNEL_RUNS] += 1
+        period = phase = 0
+        if sample is not None:
+            period, phase = int(sample.period), int(sample.state[0]) % sample.period
+            sample.state[0] += 1
+        enabled = int(vp.enable[0]) == 1
+        if not enabled:  # overflowed or never planned: nothing is checked, but it must show
+            counters[fmt.CTR_VERIFIES_SKIPPED] += 1
+        n = max(0, min(int(vp.num_valid[0]) if enabled else 0, cap))
+        if n == 0:
+            return
+        rows = _verify(*fixed, n, counters, tag, check_tokens, period, phase, words, ks, on)
+        if rows.shape[0]:
+            col = fmt.COL_BATCH_ROW
+            rows[:, col] = np.searchsorted(vp.offsets.astype(np.int64), rows[:, col], side="right") - 1
+            reference._append(log, [rows])
+    return run
 
 
-def write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode, expected_tokens,
-          expected_positions):
-    log.counter_array[fmt.CTR_KERNEL_RUNS] += 1
-    planned = int(wp.num_rows[0])
-    if planned < 0:  # never planned: nothing to write, but it must show
-        log.counter_array[fmt.CTR_WRITES_SKIPPED] += 1
-    nrows = max(0, min(planned, wp.seed_slots.shape[0], wp.offsets.shape[0] - 1))
-    if nrows == 0:
-        return
+def bind_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sources, mode, expected_tokens,
+               expected_positions):
+    """:func:`write` bound: a callable of no argument."""
+    counters = log.counter_array
     avail = min(a.shape[0] for a in (input_ids, positions, out_cache_loc, expected_tokens, expected_positions)
                 if a is not None)
     words, ks, on = _sources(sources, mode)
-    rows = _write(canary.records, canary.chain == fmt.CHAIN_SCAN, wp.offsets, wp.seed_slots, nrows,
-                  bool(wp.position_check[0]), input_ids, positions, out_cache_loc,
-                  _NONE if expected_tokens is None else expected_tokens, expected_tokens is not None,
-                  _NONE if expected_positions is None else expected_positions, expected_positions is not None,
-                  avail, log.counter_array, int(tag), words, ks, on)
-    if rows.shape[0]:
-        reference._append(log, [rows])
+    fixed = (canary.records, canary.chain == fmt.CHAIN_SCAN, wp.offsets, wp.seed_slots)
+    tokens = (input_ids, positions, out_cache_loc, _NONE if expected_tokens is None else expected_tokens,
+              expected_tokens is not None, _NONE if expected_positions is None else expected_positions,
+              expected_positions is not None, avail, counters, int(tag), words, ks, on)
+    rows_max = min(wp.seed_slots.shape[0], wp.offsets.shape[0] - 1)
+
+    def run():
+        counters[fmt.CTR_KERNEL_RUNS] += 1
+        planned = int(wp.num_rows[0])
+        if planned < 0:  # never planned: nothing to write, but it must show
+            counters[fmt.CTR_WRITES_SKIPPED] += 1
+        nrows = max(0, min(planned, rows_max))
+        if nrows == 0:
+            return
+        rows = _write(*fixed, nrows, bool(wp.position_check[0]), *tokens)
+        if rows.shape[0]:
+            reference._append(log, [rows])
+    return run
+
+
+def plan(vp, wp, **inputs):
+    bind_plan(vp, wp, **inputs)()
+
+
+def verify(canary, vp, **inputs):
+    bind_verify(canary, vp, **inputs)()
+
+
+def write(canary, wp, **inputs):
+    bind_write(canary, wp, **inputs)()
 
 
 # --- the Backend interface -----------------------------------------------------
 def prepare_plan(vp, wp, *, stream=None, **inputs):
     """:func:`plan` bound to its arguments."""
-    return lambda _stream: plan(vp, wp, **inputs)
+    run = bind_plan(vp, wp, **inputs)
+    return lambda _stream: run()
 
 
-prepare_plan_and_verify, prepare_plan_verify_write = reference.fused_preparers(plan, verify, write)
+prepare_plan_and_verify, prepare_plan_verify_write = reference.fused_preparers(bind_plan, bind_verify, bind_write)
 
 
 def prepare_write(canary, wp, *, stream=None, digest=None, max_row_tokens=None, **inputs):
     """:func:`write` bound to its arguments; with ``digest``, then the reference's digest of its rows."""
+    run = bind_write(canary, wp, **inputs)
     if digest is None:
-        return lambda _stream: write(canary, wp, **inputs)
+        return lambda _stream: run()
 
-    def run(_stream):
-        write(canary, wp, **inputs)
+    def run_and_digest(_stream):
+        run()
         reference.digest(digest.rows, out=digest.out, carry=digest.carry)
-    return run
+    return run_and_digest
 
 
 def prepare_verify(canary, vp, *, stream=None, **inputs):
     """:func:`verify` bound to its arguments."""
-    return lambda _stream: verify(canary, vp, **inputs)
+    run = bind_verify(canary, vp, **inputs)
+    return lambda _stream: run()
 
 
 prepare_scatter = reference.prepare_scatter

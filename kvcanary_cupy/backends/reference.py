@@ -13,6 +13,8 @@ IndexError or a wrong read.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import format as fmt
@@ -535,17 +537,26 @@ def prepare_plan(vp, wp, *, stream=None, **inputs):
     return lambda _stream: plan(vp, wp, **inputs)
 
 
-def fused_preparers(plan, verify, write):
-    """``(prepare_plan_and_verify, prepare_plan_verify_write)`` of a CPU backend whose ``plan``,
-    ``verify`` and ``write`` take the arguments of this module's: the fused ops as those ops in
-    turn (a CPU backend writes the entries too)."""
+def bound(op):
+    """A binder of ``op``: called with ``op``'s arguments, it returns ``op`` bound to them (a
+    callable of no argument)."""
+    return lambda *args, **kwargs: functools.partial(op, *args, **kwargs)
+
+
+def fused_preparers(bind_plan, bind_verify, bind_write):
+    """``(prepare_plan_and_verify, prepare_plan_verify_write)`` of a CPU backend whose binders
+    (see :func:`bound`) take the arguments of this module's ``plan``, ``verify`` and ``write``:
+    the fused ops as those ops in turn (a CPU backend writes the entries too)."""
     def prepare_plan_and_verify(vp, wp, canary, *, stream=None, log, tag, sources, mode, check_tokens, sample,
                                 digest=None, **plan_inputs):
         """plan then verify, bound; with ``digest``, then :func:`entry_digest` into it."""
+        plan = bind_plan(vp, wp, **plan_inputs)
+        verify = bind_verify(canary, vp, log=log, tag=tag, sources=sources, mode=mode, check_tokens=check_tokens,
+                             sample=sample)
+
         def run(_stream):
-            plan(vp, wp, **plan_inputs)
-            verify(canary, vp, log=log, tag=tag, sources=sources, mode=mode, check_tokens=check_tokens,
-                   sample=sample)
+            plan()
+            verify()
             if digest is not None:
                 entry_digest(vp, out=digest)
         return run
@@ -553,19 +564,23 @@ def fused_preparers(plan, verify, write):
     def prepare_plan_verify_write(vp, wp, canary, *, stream=None, log, tag, write_tag, check_tokens, input_ids,
                                   positions, out_cache_loc, expected_tokens, expected_positions, **plan_inputs):
         """plan, verify, then write (no real-KV folds), bound."""
+        plan = bind_plan(vp, wp, **plan_inputs)
+        verify = bind_verify(canary, vp, log=log, tag=tag, sources=(), mode=RealKvMode.NONE,
+                             check_tokens=check_tokens, sample=None)
+        write = bind_write(canary, wp, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+                           log=log, tag=write_tag, sources=(), mode=RealKvMode.NONE,
+                           expected_tokens=expected_tokens, expected_positions=expected_positions)
+
         def run(_stream):
-            plan(vp, wp, **plan_inputs)
-            verify(canary, vp, log=log, tag=tag, sources=(), mode=RealKvMode.NONE, check_tokens=check_tokens,
-                   sample=None)
-            write(canary, wp, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, log=log,
-                  tag=write_tag, sources=(), mode=RealKvMode.NONE, expected_tokens=expected_tokens,
-                  expected_positions=expected_positions)
+            plan()
+            verify()
+            write()
         return run
 
     return prepare_plan_and_verify, prepare_plan_verify_write
 
 
-prepare_plan_and_verify, prepare_plan_verify_write = fused_preparers(plan, verify, write)
+prepare_plan_and_verify, prepare_plan_verify_write = fused_preparers(bound(plan), bound(verify), bound(write))
 
 
 def entry_digest(vp, *, out):

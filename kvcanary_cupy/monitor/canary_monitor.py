@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .. import ops, runtime, transfer
+from ..format import CTR_WRITES_SKIPPED as _WRITES_SKIPPED
 from ..canary import CanaryBuffer, RealKvSource
 from ..format import DEFAULT_CHAIN, LaunchTag, RealKvMode
 from ..plans import ExpectedTokens, SwaWindow, VerifyPlan, WritePlan
@@ -237,6 +238,7 @@ class KvCanary:
         self._reader, self._outputs = parts.reader, parts.outputs
         # --- state and counts ---------------------------------------------------
         self._window_start = 0  # the first ring row the queued copy holds
+        self._last_quiet = None  # a CPU poll's report state after it (see _quiet_state)
         self._step_open = None  # (stream ptr, tokens checked, BeforeStep) between before_ and after_forward
         self._guard = CallGuard()
         self._sweeps = 0
@@ -422,6 +424,7 @@ class KvCanary:
             self._agreement.reset(ptr)
         self._reader.reset()  # the queued copy holds rows and head snapshots from before the clear
         self._window_start = 0
+        self._last_quiet = None
 
     # ------------------------------------------------------------------ per step
     @guarded
@@ -867,6 +870,11 @@ class KvCanary:
         ptr = self._inputs.stream(stream)
         # On CUDA the rows and scalars returned now were copied at an earlier poll.
         upto_seq, replay_now = self._requests.stage(now=self._cpu, queue=queue_next)
+        if self._cpu:
+            quiet = self._quiet_state()
+            if quiet is not None and quiet == self._last_quiet:  # nothing new since the last poll
+                self._keepalive.polled(waited=True, queued=queue_next)
+                return []
         if self._cpu:  # the ring's rows after those handed out, as a CUDA copy holds them
             self._window_start, stop = self.log.copy_window()
             scal = self._reader.take(rows=self._window_rows(stop))
@@ -893,9 +901,22 @@ class KvCanary:
         # Tensor-parallel ranks must decide alike in every poll, and a rank folds only its own
         # rows: with a process group the policy sees every row, as the group's tally does.
         found = out if self._agreement is not None else new
+        if self._cpu:
+            self._last_quiet = self._quiet_state()
         if found:
             apply_policy(self.policy, found)
         return out
+
+    def _quiet_state(self):
+        """On the CPU, all a poll reports from but the counters it passes on: the ring's head,
+        the skipped writes and each group's warned-about counters. A poll that finds them as
+        the previous poll left them has nothing to report (no rows, no warnings) and returns
+        at once. None where every poll reports (open incidents expire with the steps, metrics
+        take every poll's counters, a process group agrees on every poll)."""
+        if self._agreement is not None or self._outputs.metrics is not None or len(self._outputs.folder):
+            return None
+        return (int(self.log.head[0]), int(self.log.counter_array[_WRITES_SKIPPED]),
+                *(c for g in self.groups for c in g.reported()))
 
     def _window_rows(self, stop: int) -> list:
         """The poll's row ranges: every source whole but the ring, rows ``_window_start .. stop``."""

@@ -31,6 +31,8 @@ SCALAR_WORDS = _FIRST_ERROR.stop
 # Cumulative counters, discarded with warm-up results (end_warmup).
 COUNTERS = (("verify", "input_errors"), ("verify", "overflows"), ("verify", "max_requested"),
             ("write", "input_errors"))
+# Those a poll warns about when they grow (the largest request only describes an overflow).
+_REPORTED = tuple(_AT[k] for k in (("verify", "input_errors"), ("verify", "overflows"), ("write", "input_errors")))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -211,6 +213,11 @@ class Group:
         """Zero the cumulative counters (on the current stream)."""
         for plan, field in COUNTERS:
             self._scalar(plan, field).fill(0)
+
+    def reported(self) -> tuple:
+        """The cumulative counters of :attr:`sc` that a poll warns about when they grow (read
+        in place: a CPU group's; see :meth:`counts`)."""
+        return tuple(int(self.sc[i]) for i in _REPORTED)
 
     @staticmethod
     def counts(sc: np.ndarray) -> dict:

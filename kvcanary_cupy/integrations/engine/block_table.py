@@ -209,14 +209,15 @@ class BlockTableCanary:
         total = len(step.tokens)
         ids = np.asarray(step.tokens, dtype=np.int64)
         pos = positions(prefix, extend, total)
+        slots = self.ops.arr(step.slot_mapping[:total]) if self.ops.cpu else step.slot_mapping
         if self.fingerprints is not None and self.ops.cpu:
-            self.fingerprints.gather_slots(self.ops.arr(step.slot_mapping[:total]))
+            self.fingerprints.gather_slots(slots)
         if now.size:
-            self._after(step, extend, now, later, ids, pos, ptr)
+            self._after(step, extend, now, later, ids, pos, slots, ptr)
         if later.size:
             self._stage_rows(np.asarray(step.rows, dtype=np.int64), prefix, extend, later, ptr)
             self._before(step, later, ptr)
-            self._after(step, extend, later, now, ids, pos, ptr)
+            self._after(step, extend, later, now, ids, pos, slots, ptr)
         # This poll takes the copy queued after the check (an engine asks for the step's
         # damaged requests after this call) and queues none: the write's rows and counters
         # travel in the copy queued after the next step's check, so a clean step pays one
@@ -230,9 +231,9 @@ class BlockTableCanary:
 
     def _lengths(self, step: AttentionStep, n: int) -> tuple[np.ndarray, np.ndarray]:
         """``(prefix, extend)``, host int64 ``[n]``: each row's cached tokens read and new tokens written."""
-        if self.ops.cpu:
-            return self.ops.lengths(step.seq_lens, step.query_start_loc, n)
         seq, qsl = step.host_seq_lens, step.host_query_start_loc
+        if (seq is None or qsl is None) and self.ops.cpu:
+            return self.ops.lengths(step.seq_lens, step.query_start_loc, n)
         if seq is None or qsl is None:  # not given: read back once (the host waits for the device)
             import torch  # noqa: PLC0415
 
@@ -269,8 +270,9 @@ class BlockTableCanary:
         self.open = True
 
     def _after(self, step: AttentionStep, extend: np.ndarray, idx: np.ndarray, others: np.ndarray, ids: np.ndarray,
-               pos: np.ndarray, ptr) -> None:
-        """Stamp the tokens of rows ``idx`` (all when ``others`` is empty)."""
+               pos: np.ndarray, slots, ptr) -> None:
+        """Stamp the tokens of rows ``idx`` (all when ``others`` is empty); ``slots``: the step's
+        slot mapping (on the CPU its ``[:total]`` as NumPy)."""
         self.open = False
         total = ids.shape[0]
         keep = None
@@ -286,11 +288,10 @@ class BlockTableCanary:
             self._bind_tokens(max(m, 2 * self.max_tokens))
         t = self._tokens
         if self.staged is None:
-            slots = self.ops.arr(step.slot_mapping[:total])
             t["ids"][:m], t["pos"][:m], t["loc"][:m] = ids, pos, slots if keep is None else slots[keep]
         else:
             self._pinned_tokens.copy(ids, pos, t["ids"], t["pos"], ptr)
-            slots = step.slot_mapping[:total] if keep is None else self.ops.select(step.slot_mapping, keep)
+            slots = slots[:total] if keep is None else self.ops.select(slots, keep)
             self.ops.copy_into(t["loc"], slots, ptr)
         longest = int(extend.max() if others.size == 0 else extend[idx].max())
         self.monitor.after_forward(num_tokens=m, max_row_tokens=longest, stream=ptr)
