@@ -700,3 +700,27 @@ def test_poll_hands_out_a_burst_longer_than_its_copy_window_once_in_ring_order(x
     assert [v.slot for v in found] == [v.slot for v in mon.log.read()]  # ring order, each once
     sync(xp)
     assert mon.poll() + mon.poll() == []
+
+
+def test_cpu_polls_with_nothing_new_miss_nothing_after(cpu_backend):
+    """On the CPU a poll that finds the ring and the warned-about counters as the previous poll
+    left them returns at once: the rows, warnings and incidents that come after still show."""
+    toy = Toy(np, "cpu")
+    toy.step([1, 2], [3, 3], request_ids=["a", "b"])
+    assert [toy.mon.poll() for _ in range(3)] == [[], [], []]
+    toy.set_entry(1, 1, 40)  # row 1's position 1 now reads row 2's unstamped position 7
+    toy.step([1], [1], request_ids=["a"])
+    assert [(v.request, v.slot) for v in toy.mon.poll()] == [("a", 40), ("a", 3)]  # and its successor's chain
+    assert toy.mon.poll() == []
+    toy.set_entry(2, 0, -5)
+    with pytest.warns(KvCanaryWarning, match="out-of-range plan input"):
+        toy.step([2], [1], request_ids=["b"])
+        toy.mon.poll()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert toy.mon.poll() == []  # warned once
+    toy.mon.end_warmup()  # the log and the counters start again
+    toy.set_entry(2, 0, 33)
+    toy.set_entry(1, 1, 41)
+    toy.step([1], [1], request_ids=["a"])
+    assert [(v.request, v.slot) for v in toy.mon.poll()] == [("a", 41), ("a", 3)]

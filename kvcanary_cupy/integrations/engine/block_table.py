@@ -34,6 +34,20 @@ from .step_arrays import ops_for, positions
 from .tables import ExpectedTable
 
 
+_NO_ROWS = np.arange(0)
+_NO_ROWS.flags.writeable = False
+_EVERY_ROW: dict = {}
+
+
+def _every_row(n: int) -> np.ndarray:
+    """``arange(n)``, made once per batch size (read only)."""
+    out = _EVERY_ROW.get(n)
+    if out is None:
+        out = _EVERY_ROW[n] = np.arange(n)
+        out.flags.writeable = False
+    return out
+
+
 def _quiet(found) -> None:
     """The monitor's own policy: nothing; the adapter applies its policy to the engine's violations."""
 
@@ -175,7 +189,7 @@ class BlockTableCanary:
         self.slots_read += int(prefix.sum())
         rows = np.asarray(step.rows, dtype=np.int64)
         if step.deferred is None:
-            now, later = np.arange(n), np.arange(0)
+            now, later = _every_row(n), _NO_ROWS
         else:
             deferred = np.asarray(step.deferred, dtype=bool)
             now, later = np.flatnonzero(~deferred), np.flatnonzero(deferred)
@@ -193,7 +207,7 @@ class BlockTableCanary:
         if not direct and self.staged is not None and now.size == n:  # the staged rows index the table
             self.table[:, :bt.shape[1]].index_copy_(0, self._rows["rows"][:n], bt[:n].to(self.table.dtype))
         elif not direct:
-            self.ops.put_rows(self.table, step.rows, bt)
+            self.ops.put_rows(self.table, rows, bt)
         self._step = (step, prefix, extend, now, later, ptr)
         if now.size:
             self._before(step, now, ptr)

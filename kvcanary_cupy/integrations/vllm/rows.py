@@ -25,7 +25,6 @@ def match_rows(keys, mirror, *, block_size: int) -> tuple[list, int]:
     metadata whose :meth:`RowKeyReader.read` keys are ``keys``, in row order; a row that cannot be named
     gets a placeholder with no request and no known token."""
     qsl, seq, first = keys
-    ext = [b - a for a, b in zip(qsl, qsl[1:])]
     by_slot: dict = {}
     for s in mirror.scheduled:
         blocks = s.blocks[0] if s.blocks else ()
@@ -34,13 +33,15 @@ def match_rows(keys, mirror, *, block_size: int) -> tuple[list, int]:
             by_slot.setdefault(blocks[i] * block_size + s.computed % block_size, []).append(s)
     states, taken = [], {}
     for r, key in enumerate(first):
-        pick = [s for s in by_slot.get(key, ()) if s.computed + s.scheduled == seq[r] and s.scheduled == ext[r]]
+        ext = qsl[r + 1] - qsl[r]
+        pick = [s for s in by_slot.get(key, ()) if s.computed + s.scheduled == seq[r] and s.scheduled == ext]
         s = pick[0] if len(pick) == 1 else None
         if s is not None and id(s) in taken:  # two rows claim one request: neither is named
-            states[taken[id(s)]] = _unnamed(seq[taken[id(s)]], ext[taken[id(s)]])
+            t = taken[id(s)]
+            states[t] = _unnamed(seq[t], qsl[t + 1] - qsl[t])
             s = None
         if s is None:
-            states.append(_unnamed(seq[r], ext[r]))
+            states.append(_unnamed(seq[r], ext))
         else:
             taken[id(s)] = r
             states.append(s)
@@ -63,8 +64,9 @@ class RowKeyReader:
         """The keys of ``md``: NumPy arrays or CPU tensors when ``stream`` is None, else CUDA
         tensors read on raw stream ``stream``."""
         qsl, seq, slots = md.query_start_loc, md.seq_lens, md.slot_mapping
-        if stream is None:
-            return _keys(host_array(qsl).tolist(), host_array(seq).tolist(), host_array(slots))
+        if stream is None:  # a CPU tensor gives its ints directly
+            q, sq = (t.tolist() if hasattr(t, "tolist") else host_array(t).tolist() for t in (qsl, seq))
+            return _keys(q, sq, host_array(slots))
         import torch  # noqa: PLC0415  (CUDA metadata: torch is the engine's)
 
         words = {torch.int32: "i", torch.int64: "q"}

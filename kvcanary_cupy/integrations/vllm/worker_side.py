@@ -141,7 +141,7 @@ class WorkerSide:
             for s in self.mirror.scheduled:
                 if s.admitted and s.computed:
                     self.prefix_hits += 1
-                if s.computed + s.scheduled < s.prompt_len:
+                if s.prompt_len > s.computed + s.scheduled:  # a decode step's requests are past their prompt
                     self.chunked_prefills += 1
             md = getattr(forward_context, "attn_metadata", None) if forward_context is not None else None
             if not md or not self.groups:
@@ -152,7 +152,7 @@ class WorkerSide:
                                  "cannot watch it")
             self.steps += 1
             first = md[self.groups[0].layers[0]]
-            stream = self._stream(first)
+            stream = None if self.cpu_backend is not None else self._stream(first)
             keys = self.row_keys.read(first, stream)  # the lengths attention reads, on the host
             states, unmatched = match_rows(keys, self.mirror, block_size=self.groups[0].block_size)
             self.rows_unmatched += unmatched
