@@ -465,10 +465,12 @@ def gather_slots(layers, offsets, block_elems, block_size, shadow, slots):
 @_jit
 def gather_reads(layers, offsets, block_elems, block_size, shadow, table, rows, prefix):
     """:meth:`GatheredSlots.gather_reads`: :func:`gather_slots` of the slots table rows ``rows``
-    map positions ``[0, prefix[i])`` to (a position past the table's width maps to none); a
-    block at a time, its table entry read once."""
+    map positions ``[0, prefix[i])`` to (a position past the table's width maps to none). A
+    block whose slots all lie in the pool is copied element by element across its slots (a
+    K element of consecutive slots is often contiguous in the engine's block), others slot by
+    slot."""
     n = 0
-    num_slots = shadow.shape[1]
+    num_slots, w = shadow.shape[1], shadow.shape[2]
     for i in range(rows.shape[0]):
         row = np.int64(rows[i])
         if row < 0 or row >= table.shape[0]:  # no row of the table: nothing it maps (no bounds checks here)
@@ -476,15 +478,22 @@ def gather_reads(layers, offsets, block_elems, block_size, shadow, table, rows, 
         end = min(np.int64(prefix[i]), np.int64(table.shape[1]) * block_size)
         for page in range(-(-end // block_size)):
             block = np.int64(table[row, page])
+            count = min(block_size, end - page * block_size)
+            if block >= 0 and block <= (num_slots - count) // block_size:  # no slot number wraps
+                first, base = block * block_size, block * block_elems
+                for layer in range(len(layers)):
+                    flat = layers[layer]
+                    for j in range(2 * w):
+                        kv, at_j = (2 * layer, j) if j < w else (2 * layer + 1, j - w)
+                        for at in range(count):
+                            shadow[kv, first + at, at_j] = flat[base + offsets[at, j]]
+                n += count
+                continue
             first = block * block_size  # may wrap for a forged entry: its slots then name their own block
-            exact = block >= 0 and block <= (num_slots - 1) // block_size
-            for at in range(min(block_size, end - page * block_size)):
+            for at in range(count):
                 s = first + at
                 if s >= 0 and s < num_slots:
-                    if exact:
-                        _gather_slot(layers, offsets, block_elems, shadow, s, block, at)
-                    else:
-                        _gather_slot(layers, offsets, block_elems, shadow, s, s // block_size, s % block_size)
+                    _gather_slot(layers, offsets, block_elems, shadow, s, s // block_size, s % block_size)
                     n += 1
     return n
 
