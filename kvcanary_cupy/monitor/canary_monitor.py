@@ -841,7 +841,8 @@ class KvCanary:
         An engine that synchronizes its stream every step can see a step's own rows with
         one copy: ``poll()`` right after ``after_forward`` (it queues the copy), then
         ``poll(queue_next=False)`` after the engine's synchronization (it reads the copy,
-        long done, and queues nothing). On the CPU every poll reads the current rows.
+        long done, and queues nothing). On the CPU every poll reads the current rows (one that
+        finds nothing new since the previous poll returns at once).
         Plan overflows and out-of-range plan inputs found in the same copy are
         reported as :class:`KvCanaryWarning` s (and grow the plan, see the class
         docstring). The rows are folded into incidents: the policy sees the new ones
