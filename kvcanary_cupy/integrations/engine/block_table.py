@@ -185,8 +185,8 @@ class BlockTableCanary:
             self._step = None
             return []
         ptr = self._stream(step)
-        prefix, extend = self._lengths(step, n)
-        self.slots_read += int(prefix.sum())
+        prefix, extend, extend_list = self._lengths(step, n)
+        self.slots_read += sum(prefix.tolist())
         rows = np.asarray(step.rows, dtype=np.int64)
         if step.deferred is None:
             now, later = _every_row(n), _NO_ROWS
@@ -194,9 +194,11 @@ class BlockTableCanary:
             deferred = np.asarray(step.deferred, dtype=bool)
             now, later = np.flatnonzero(~deferred), np.flatnonzero(deferred)
         self.deferred_rows += int(later.size)
-        ends = prefix + extend
-        self.expected.reserve(int(ends.max()), None)
-        self.expected.fill(rows, step.states, ends, step.fresh)
+        # A step has a few rows: its lengths' sums and maxima are taken in Python (a NumPy
+        # reduction of 8 numbers costs several microseconds in an engine step's cold caches).
+        ends = [p + e for p, e in zip(prefix.tolist(), extend_list)]
+        self.expected.reserve(max(ends), None)
+        self.expected.fill(step.rows, step.states, ends, step.fresh)
         bt = step.block_table
         # On CUDA, with every row checked now, the staging launch copies the block table's rows
         # too (int32 rows of unit stride, as vLLM's); else torch does, after it.
@@ -208,7 +210,7 @@ class BlockTableCanary:
             self.table[:, :bt.shape[1]].index_copy_(0, self._rows["rows"][:n], bt[:n].to(self.table.dtype))
         elif not direct:
             self.ops.put_rows(self.table, rows, bt)
-        self._step = (step, prefix, extend, now, later, ptr)
+        self._step = (step, prefix, extend, extend_list, now, later, ptr)
         if now.size:
             self._before(step, now, ptr)
         return self.monitor.poll(stream=ptr)
@@ -218,20 +220,20 @@ class BlockTableCanary:
         Returns the monitor's new violation rows."""
         if self._step is None:
             return []
-        step, prefix, extend, now, later, ptr = self._step
+        step, prefix, extend, extend_list, now, later, ptr = self._step
         self._step = None
         total = len(step.tokens)
         ids = np.asarray(step.tokens, dtype=np.int64)
-        pos = positions(prefix, extend, total)
-        slots = self.ops.arr(step.slot_mapping[:total]) if self.ops.cpu else step.slot_mapping
+        pos = positions(prefix, extend_list, total)
+        slots = self.ops.arr(step.slot_mapping)[:total] if self.ops.cpu else step.slot_mapping
         if self.fingerprints is not None and self.ops.cpu:
             self.fingerprints.gather_slots(slots)
         if now.size:
-            self._after(step, extend, now, later, ids, pos, slots, ptr)
+            self._after(step, extend_list, now, later, ids, pos, slots, ptr)
         if later.size:
             self._stage_rows(np.asarray(step.rows, dtype=np.int64), prefix, extend, later, ptr)
             self._before(step, later, ptr)
-            self._after(step, extend, later, now, ids, pos, slots, ptr)
+            self._after(step, extend_list, later, now, ids, pos, slots, ptr)
         # This poll takes the copy queued after the check (an engine asks for the step's
         # damaged requests after this call) and queues none: the write's rows and counters
         # travel in the copy queued after the next step's check, so a clean step pays one
@@ -243,11 +245,13 @@ class BlockTableCanary:
         device): for the end of a run, after the last :meth:`stamp_writes`."""
         return self.monitor.poll() + self.monitor.poll(queue_next=False)
 
-    def _lengths(self, step: AttentionStep, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(prefix, extend)``, host int64 ``[n]``: each row's cached tokens read and new tokens written."""
+    def _lengths(self, step: AttentionStep, n: int) -> tuple[np.ndarray, np.ndarray, list]:
+        """``(prefix, extend, extend_list)``: host int64 ``[n]`` each row's cached tokens read and
+        new tokens written, and ``extend`` as Python ints."""
         seq, qsl = step.host_seq_lens, step.host_query_start_loc
         if (seq is None or qsl is None) and self.ops.cpu:
-            return self.ops.lengths(step.seq_lens, step.query_start_loc, n)
+            prefix, extend = self.ops.lengths(step.seq_lens, step.query_start_loc, n)
+            return prefix, extend, extend.tolist()
         if seq is None or qsl is None:  # not given: read back once (the host waits for the device)
             import torch  # noqa: PLC0415
 
@@ -258,7 +262,7 @@ class BlockTableCanary:
         q = [int(x) for x in qsl[:n + 1]]
         ext = [b - a for a, b in zip(q, q[1:])]
         both = np.array([[int(s) - e for s, e in zip(seq[:n], ext)], ext], dtype=np.int64).reshape(2, n)
-        return both[0], both[1]
+        return both[0], both[1], ext
 
     def _stage_rows(self, rows: np.ndarray, prefix: np.ndarray, extend: np.ndarray, idx: np.ndarray, ptr,
                     rows_from=None) -> None:
@@ -283,7 +287,7 @@ class BlockTableCanary:
                                     request_ids=[step.tags[i] for i in idx], stream=ptr)
         self.open = True
 
-    def _after(self, step: AttentionStep, extend: np.ndarray, idx: np.ndarray, others: np.ndarray, ids: np.ndarray,
+    def _after(self, step: AttentionStep, extend: list, idx: np.ndarray, others: np.ndarray, ids: np.ndarray,
                pos: np.ndarray, slots, ptr) -> None:
         """Stamp the tokens of rows ``idx`` (all when ``others`` is empty); ``slots``: the step's
         slot mapping (on the CPU its ``[:total]`` as NumPy)."""
@@ -307,7 +311,7 @@ class BlockTableCanary:
             self._pinned_tokens.copy(ids, pos, t["ids"], t["pos"], ptr)
             slots = slots[:total] if keep is None else self.ops.select(slots, keep)
             self.ops.copy_into(t["loc"], slots, ptr)
-        longest = int(extend.max() if others.size == 0 else extend[idx].max())
+        longest = max(extend) if others.size == 0 else max(extend[i] for i in idx.tolist())
         self.monitor.after_forward(num_tokens=m, max_row_tokens=longest, stream=ptr)
 
     def compile_ahead(self) -> None:

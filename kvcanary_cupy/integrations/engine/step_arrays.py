@@ -12,14 +12,17 @@ import numpy as np
 
 def host_array(a, dtype=np.int64) -> np.ndarray:
     """A CPU array (NumPy, a CPU torch tensor, a list) as NumPy ``dtype``, zero copy where it can."""
-    if hasattr(a, "numpy") and getattr(a, "device", None) is not None and str(a.device) == "cpu":
+    if not isinstance(a, np.ndarray) and hasattr(a, "numpy") and (
+            getattr(a, "is_cpu", False) or (getattr(a, "device", None) is not None and str(a.device) == "cpu")):
         a = a.numpy()
     return np.asarray(a).astype(dtype, copy=False)
 
 
 def positions(prefix, extend, total: int) -> np.ndarray:
-    """Each token's position, host int64 ``[total]``: row after row, ``prefix[r] .. prefix[r] + extend[r] - 1``."""
-    if total == len(extend) and bool(np.all(np.asarray(extend) == 1)):  # one token a row: a decode step
+    """Each token's position, host int64 ``[total]``: row after row, ``prefix[r] .. prefix[r] + extend[r] - 1``
+    (``extend``: a sequence of a few ints, or an array)."""
+    ext = extend.tolist() if isinstance(extend, np.ndarray) else extend
+    if total == len(ext) and all(e == 1 for e in ext):  # one token a row: a decode step
         return np.array(prefix, dtype=np.int64)
     starts = np.cumsum(extend) - extend
     return np.repeat(np.asarray(prefix) - starts, extend) + np.arange(total, dtype=np.int64)
