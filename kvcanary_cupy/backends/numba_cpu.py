@@ -36,6 +36,7 @@ _M29 = _U((1 << 29) - 1)
 _WORDS = fmt.VIOLATION_WORDS
 _TOKEN, _POSITION, _LINK, _FP = fmt.FIELD_TOKEN, fmt.FIELD_POSITION, fmt.FIELD_LINK, fmt.FIELD_FINGERPRINT
 _CTR_CHECKED, _CTR_WRITTEN, _CTR_T_SKIPPED = fmt.CTR_SLOTS_CHECKED, fmt.CTR_SLOTS_WRITTEN, fmt.CTR_TOKENS_SKIPPED
+_CTR_RUNS, _CTR_V_SKIPPED, _CTR_W_SKIPPED = fmt.CTR_KERNEL_RUNS, fmt.CTR_VERIFIES_SKIPPED, fmt.CTR_WRITES_SKIPPED
 _CHAIN, _POS, _REAL_KV, _TOK = int(FailReason.CHAIN), int(FailReason.POSITION), int(FailReason.REAL_KV), \
     int(FailReason.TOKEN)
 _W_TOKEN, _W_POS = int(FailReason.WRITE_TOKEN), int(FailReason.WRITE_POSITION)
@@ -340,6 +341,27 @@ def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens,
 
 
 @_jit
+def _verify_launch(rec, scan, slots, prevs, epos, etok, enable, num_valid, capacity, counters, tag, check_tokens,
+                   period, sample_state, words, ks, fp_on):
+    """A verify launch: counts the run, takes the plan's gate and count (an overflowed or
+    unplanned plan checks nothing, and that is counted) and, with a sampling ``period``, the
+    sampler's phase, which it advances; then :func:`_verify`."""
+    counters[_CTR_RUNS] += 1
+    phase = np.int64(0)
+    if period > 0:
+        phase = sample_state[0] % period
+        sample_state[0] += 1
+    if enable[0] != 1:
+        counters[_CTR_V_SKIPPED] += 1
+        return np.empty((0, _WORDS), dtype=np.int64)
+    n = max(np.int64(0), min(np.int64(num_valid[0]), capacity))
+    if n == 0:
+        return np.empty((0, _WORDS), dtype=np.int64)
+    return _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens, period, phase, words, ks,
+                   fp_on)
+
+
+@_jit
 def _grow(out):
     more = np.empty((max(16, 2 * out.shape[0]), _WORDS), dtype=np.int64)
     more[:out.shape[0]] = out
@@ -433,6 +455,22 @@ def _write(rec, scan, offsets, seeds, nrows, position_check, ids, poss, locs, ex
     counters[_CTR_T_SKIPPED] += skipped
     counters[_CTR_WRITTEN] += written
     return out[:k]
+
+
+@_jit
+def _write_launch(rec, scan, offsets, seeds, num_rows, rows_max, position_check, ids, poss, locs, exp_tok, has_et,
+                  exp_pos, has_ep, avail, counters, tag, words, ks, fp_on):
+    """A write launch: counts the run, takes the plan's row count (an unplanned plan writes
+    nothing, and that is counted) and position-check flag; then :func:`_write`."""
+    counters[_CTR_RUNS] += 1
+    planned = np.int64(num_rows[0])
+    if planned < 0:
+        counters[_CTR_W_SKIPPED] += 1
+    nrows = max(np.int64(0), min(planned, rows_max))
+    if nrows == 0:
+        return np.empty((0, _WORDS), dtype=np.int64)
+    return _write(rec, scan, offsets, seeds, nrows, position_check[0] != 0, ids, poss, locs, exp_tok, has_et,
+                  exp_pos, has_ep, avail, counters, tag, words, ks, fp_on)
 
 
 # --- an engine layout's gather (kvcanary_cupy.integrations.engine.kv_layout) ------------
@@ -560,21 +598,12 @@ def bind_verify(canary, vp, *, log, tag, sources, mode, check_tokens, sample):
     fixed = (canary.records, canary.chain == fmt.CHAIN_SCAN, vp.slot_indices, vp.prev_slot_indices,
              vp.expected_positions, vp.expected_tokens)
     words, ks, on = _sources(sources, mode)
-    tag, check_tokens, cap = int(tag), bool(check_tokens), vp.capacity
+    period, state = (int(sample.period), sample.state) if sample is not None else (0, _NONE)
+    args = (*fixed, vp.enable, vp.num_valid, int(vp.capacity), counters, int(tag), bool(check_tokens), period, state,
+            words, ks, on)
 
     def run():
-        counters[fmt.CTR_KERNEL_RUNS] += 1
-        period = phase = 0
-        if sample is not None:
-            period, phase = int(sample.period), int(sample.state[0]) % sample.period
-            sample.state[0] += 1
-        enabled = int(vp.enable[0]) == 1
-        if not enabled:  # overflowed or never planned: nothing is checked, but it must show
-            counters[fmt.CTR_VERIFIES_SKIPPED] += 1
-        n = max(0, min(int(vp.num_valid[0]) if enabled else 0, cap))
-        if n == 0:
-            return
-        rows = _verify(*fixed, n, counters, tag, check_tokens, period, phase, words, ks, on)
+        rows = _verify_launch(*args)
         if rows.shape[0]:
             col = fmt.COL_BATCH_ROW
             rows[:, col] = np.searchsorted(vp.offsets.astype(np.int64), rows[:, col], side="right") - 1
@@ -593,17 +622,10 @@ def bind_write(canary, wp, *, input_ids, positions, out_cache_loc, log, tag, sou
     tokens = (input_ids, positions, out_cache_loc, _NONE if expected_tokens is None else expected_tokens,
               expected_tokens is not None, _NONE if expected_positions is None else expected_positions,
               expected_positions is not None, avail, counters, int(tag), words, ks, on)
-    rows_max = min(wp.seed_slots.shape[0], wp.offsets.shape[0] - 1)
+    args = (*fixed, wp.num_rows, min(wp.seed_slots.shape[0], wp.offsets.shape[0] - 1), wp.position_check, *tokens)
 
     def run():
-        counters[fmt.CTR_KERNEL_RUNS] += 1
-        planned = int(wp.num_rows[0])
-        if planned < 0:  # never planned: nothing to write, but it must show
-            counters[fmt.CTR_WRITES_SKIPPED] += 1
-        nrows = max(0, min(planned, rows_max))
-        if nrows == 0:
-            return
-        rows = _write(*fixed, nrows, bool(wp.position_check[0]), *tokens)
+        rows = _write_launch(*args)
         if rows.shape[0]:
             reference._append(log, [rows])
     return run

@@ -9,7 +9,7 @@ import dataclasses
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
     """One request the step schedules, as the scheduler's bookkeeping has it.
 

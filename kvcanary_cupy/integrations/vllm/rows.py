@@ -34,8 +34,13 @@ def match_rows(keys, mirror, *, block_size: int) -> tuple[list, int]:
     states, taken = [], {}
     for r, key in enumerate(first):
         ext = qsl[r + 1] - qsl[r]
-        pick = [s for s in by_slot.get(key, ()) if s.computed + s.scheduled == seq[r] and s.scheduled == ext]
-        s = pick[0] if len(pick) == 1 else None
+        claims = by_slot.get(key, ())
+        if len(claims) == 1:  # one request writes there: the row's if the lengths agree
+            s = claims[0] if claims[0].computed + claims[0].scheduled == seq[r] and claims[0].scheduled == ext \
+                else None
+        else:
+            pick = [s for s in claims if s.computed + s.scheduled == seq[r] and s.scheduled == ext]
+            s = pick[0] if len(pick) == 1 else None
         if s is not None and id(s) in taken:  # two rows claim one request: neither is named
             t = taken[id(s)]
             states[t] = _unnamed(seq[t], qsl[t + 1] - qsl[t])
@@ -104,6 +109,8 @@ def _keys(q: list, seq: list, sm):
     ints; -1 where a row starts past its end)."""
     n = len(q) - 1
     m = len(sm)
+    if m <= 8 * n and not isinstance(sm, list):  # a decode step's few slots: read as ints at once
+        sm = sm.tolist()
     first = [int(sm[a]) if 0 <= a < m else -1 for a in q[:n]]
     return q, seq[:n], first
 

@@ -65,7 +65,7 @@ class SchedulerSide:
         computed = int(req.num_computed_tokens)
         have = self.sent.get(rid, 0)
         end = computed + scheduled
-        tokens = list(req.all_token_ids[have:end]) if end > have else []
+        tokens = req.all_token_ids[have:end] if end > have else []  # a slice: a list of its own
         self.sent[rid] = max(have, have + len(tokens))
         return ScheduledRequest(request_id=rid, computed=computed, scheduled=int(scheduled), tokens=tokens,
                                 blocks=None if blocks is None else tuple(list(b) for b in blocks),
