@@ -10,6 +10,7 @@ call with the same arguments. The backends share no code but
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Protocol
 
@@ -102,6 +103,7 @@ def cpu_backend() -> str:
     return _cpu_choice[0]
 
 
+@functools.cache  # a failed import is not kept: it is tried again
 def _numba_backend():
     try:
         from . import numba_cpu  # noqa: PLC0415

@@ -536,6 +536,30 @@ def gather_reads(layers, offsets, block_elems, block_size, shadow, table, rows, 
     return n
 
 
+# --- a block-table step's rows (kvcanary_cupy.integrations.engine.block_table) -------
+@_jit
+def stage_rows(query_start_loc, seq_lens, rows, block_table, table, out_rows, out_prefix, out_extend, out_valid):
+    """:meth:`BlockTableCanary.check_reads`'s staging of a step's ``n = rows.shape[0]`` rows
+    (the caller checks every shape): each row's extend (``query_start_loc[i + 1] -
+    query_start_loc[i]``) and prefix (``seq_lens[i]`` less it) with its table row into the
+    monitor's bound rows, prefix + extend into ``out_valid``, and block-table row ``i`` into
+    ``table`` row ``rows[i]``. Returns the sum of the prefixes, or -1, having written nothing,
+    when a row names no row of ``table``."""
+    n = rows.shape[0]
+    for i in range(n):
+        if rows[i] < 0 or rows[i] >= table.shape[0]:
+            return np.int64(-1)
+    read = np.int64(0)
+    for i in range(n):
+        e = np.int64(query_start_loc[i + 1]) - np.int64(query_start_loc[i])
+        p = np.int64(seq_lens[i]) - e
+        out_rows[i], out_prefix[i], out_extend[i], out_valid[i] = rows[i], p, e, p + e
+        read += p
+        for j in range(block_table.shape[1]):
+            table[rows[i], j] = block_table[i, j]
+    return read
+
+
 # --- the Python side: the ops' arguments as the compiled loops take them ----------
 def _sources(sources, mode):
     """``(words, ks, on)``: each source as uint64 ``[layers, slots, words]`` and the words of a

@@ -28,9 +28,9 @@ import types
 
 import numpy as np
 
-from ...backends import cpu_backend
+from ...backends import backend_for, cpu_backend
 from .staging import ChangeUpload, StepArrays, TokenStaging
-from .step_arrays import ops_for, positions
+from .step_arrays import host_view, ops_for, positions
 from .tables import ExpectedTable
 
 
@@ -185,9 +185,14 @@ class BlockTableCanary:
             self._step = None
             return []
         ptr = self._stream(step)
-        prefix, extend, extend_list = self._lengths(step, n)
-        self.slots_read += sum(prefix.tolist())
         rows = np.asarray(step.rows, dtype=np.int64)
+        staged = self._stage_compiled(step, rows) if step.deferred is None else None
+        if staged is None:
+            prefix, extend, extend_list = self._lengths(step, n)
+            self.slots_read += sum(prefix.tolist())
+        else:
+            prefix, extend = staged
+            extend_list = extend.tolist()
         if step.deferred is None:
             now, later = _every_row(n), _NO_ROWS
         else:
@@ -205,10 +210,11 @@ class BlockTableCanary:
         direct = (self.staged is not None and now.size == n and bt.dtype == self.table.dtype and bt.dim() == 2
                   and bt.stride(1) == 1 and bt.shape[0] >= n and bt.shape[1] <= self.table.shape[1]
                   and bt.device == self.table.device)
-        self._stage_rows(rows, prefix, extend, now, ptr, rows_from=(bt, n) if direct else None)
+        if staged is None:
+            self._stage_rows(rows, prefix, extend, now, ptr, rows_from=(bt, n) if direct else None)
         if not direct and self.staged is not None and now.size == n:  # the staged rows index the table
             self.table[:, :bt.shape[1]].index_copy_(0, self._rows["rows"][:n], bt[:n].to(self.table.dtype))
-        elif not direct:
+        elif not direct and staged is None:
             self.ops.put_rows(self.table, rows, bt)
         self._step = (step, prefix, extend, extend_list, now, later, ptr)
         if now.size:
@@ -263,6 +269,27 @@ class BlockTableCanary:
         ext = [b - a for a, b in zip(q, q[1:])]
         both = np.array([[int(s) - e for s, e in zip(seq[:n], ext)], ext], dtype=np.int64).reshape(2, n)
         return both[0], both[1], ext
+
+    def _stage_compiled(self, step: AttentionStep, rows: np.ndarray):
+        """On the numba CPU backend, with every row checked before the forward: the rows'
+        lengths, the monitor's bound rows and the table's rows in one compiled call (see
+        :func:`~kvcanary_cupy.backends.numba_cpu.stage_rows`). Returns ``(prefix, extend)``,
+        views of the bound rows, or None where the general path stages the step (another
+        backend, or arrays of other shapes, which it reports)."""
+        if not self.ops.cpu or cpu_backend() != "numba":
+            return None
+        n = rows.shape[0]
+        qsl, seq, bt = (host_view(a) for a in (step.query_start_loc, step.seq_lens, step.block_table))
+        b = self._rows
+        if not (qsl.ndim == 1 and seq.ndim == 1 and bt.ndim == 2 and qsl.shape[0] > n and seq.shape[0] >= n
+                and bt.shape[0] >= n and bt.shape[1] <= self.table.shape[1] and n <= b["rows"].shape[0]):
+            return None
+        read = backend_for("cpu").stage_rows(qsl, seq, rows, bt, self.table, b["rows"], b["prefix"], b["extend"],
+                                             self.valid)
+        if read < 0:
+            return None
+        self.slots_read += int(read)
+        return b["prefix"][:n], b["extend"][:n]
 
     def _stage_rows(self, rows: np.ndarray, prefix: np.ndarray, extend: np.ndarray, idx: np.ndarray, ptr,
                     rows_from=None) -> None:

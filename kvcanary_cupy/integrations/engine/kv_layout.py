@@ -19,11 +19,9 @@ bytes must be contiguous. Two kinds of layout:
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from ...backends import cpu_backend
+from ...backends import backend_for, cpu_backend
 from ...canary import RealKvSource
 from ...format import KV_CHUNK_BYTES, RealKvMode
 
@@ -123,8 +121,8 @@ class GatheredSlots:
         rows = np.asarray(rows, dtype=np.int64)
         prefix = np.asarray(prefix, dtype=np.int64)
         if cpu_backend() == "numba":  # the same copies, compiled (see use_cpu_backend)
-            n = _compiled().gather_reads(self._layers, self._offsets, self.block_elems, self.block_size,
-                                         self.shadow, np.asarray(table), rows, prefix)
+            n = backend_for("cpu").gather_reads(self._layers, self._offsets, self.block_elems, self.block_size,
+                                                self.shadow, np.asarray(table), rows, prefix)
             self.gathered += n
             return n
         total = int(prefix.sum())
@@ -140,8 +138,8 @@ class GatheredSlots:
         left for the check to report) from the live KV of every layer."""
         slots = np.asarray(slots, dtype=np.int64)
         if cpu_backend() == "numba":
-            n = _compiled().gather_slots(self._layers, self._offsets, self.block_elems, self.block_size,
-                                         self.shadow, slots)
+            n = backend_for("cpu").gather_slots(self._layers, self._offsets, self.block_elems, self.block_size,
+                                                self.shadow, slots)
             self.gathered += n
             return n
         return self._gather(slots)
@@ -159,14 +157,6 @@ class GatheredSlots:
             self._slot_items[2 * i + 1, slots] = got[:, 1]
         self.gathered += int(slots.size)
         return int(slots.size)
-
-
-@functools.cache
-def _compiled():
-    """The numba backend's module, imported on the first compiled gather (it imports numba)."""
-    from ...backends import numba_cpu  # noqa: PLC0415
-
-    return numba_cpu
 
 
 def _itemsize(t) -> int:

@@ -10,12 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 
-def host_array(a, dtype=np.int64) -> np.ndarray:
-    """A CPU array (NumPy, a CPU torch tensor, a list) as NumPy ``dtype``, zero copy where it can."""
+def host_view(a) -> np.ndarray:
+    """A CPU array (NumPy, a CPU torch tensor, a list) as NumPy, its own dtype, zero copy where it can."""
     if not isinstance(a, np.ndarray) and hasattr(a, "numpy") and (
             getattr(a, "is_cpu", False) or (getattr(a, "device", None) is not None and str(a.device) == "cpu")):
         a = a.numpy()
-    return np.asarray(a).astype(dtype, copy=False)
+    return np.asarray(a)
+
+
+def host_array(a, dtype=np.int64) -> np.ndarray:
+    """A CPU array (NumPy, a CPU torch tensor, a list) as NumPy ``dtype``, zero copy where it can."""
+    return host_view(a).astype(dtype, copy=False)
 
 
 def positions(prefix, extend, total: int) -> np.ndarray:
