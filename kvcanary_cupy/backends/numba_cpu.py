@@ -560,6 +560,33 @@ def stage_rows(query_start_loc, seq_lens, rows, block_table, table, out_rows, ou
     return read
 
 
+@_jit
+def stage_tokens(ids, prefix, extend, slot_mapping, out_ids, out_pos, out_loc):
+    """:meth:`BlockTableCanary.stamp_writes`'s staging of a step's ``T = ids.shape[0]`` tokens
+    (the caller checks the buffers hold them): their ids, positions (row after row,
+    ``prefix[r] .. prefix[r] + extend[r] - 1``) and slots into the monitor's token buffers.
+    Returns the longest row's token count, or -1, having written nothing, when the rows'
+    counts are no layout of the ``T`` tokens (one negative, or a sum other than ``T``)."""
+    total = np.int64(0)
+    longest = np.int64(0)
+    for r in range(prefix.shape[0]):
+        e = np.int64(extend[r])
+        if e < 0:
+            return np.int64(-1)
+        total += e
+        longest = max(longest, e)
+    if total != ids.shape[0]:
+        return np.int64(-1)
+    t = 0
+    for r in range(prefix.shape[0]):
+        for j in range(np.int64(extend[r])):
+            out_pos[t] = np.int64(prefix[r]) + j
+            t += 1
+    for t in range(ids.shape[0]):
+        out_ids[t], out_loc[t] = ids[t], slot_mapping[t]
+    return longest
+
+
 # --- the Python side: the ops' arguments as the compiled loops take them ----------
 def _sources(sources, mode):
     """``(words, ks, on)``: each source as uint64 ``[layers, slots, words]`` and the words of a

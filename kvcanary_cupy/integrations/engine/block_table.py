@@ -230,6 +230,13 @@ class BlockTableCanary:
         self._step = None
         total = len(step.tokens)
         ids = np.asarray(step.tokens, dtype=np.int64)
+        longest = None if later.size else self._stage_tokens_compiled(step, ids, prefix, extend)
+        if longest is not None:  # the step's tokens, positions and slots are in the monitor's buffers
+            if self.fingerprints is not None:
+                self.fingerprints.gather_slots(self._tokens["loc"][:total])
+            self.open = False
+            self.monitor.after_forward(num_tokens=total, max_row_tokens=longest, stream=ptr)
+            return self.monitor.poll(stream=ptr, queue_next=False)
         pos = positions(prefix, extend_list, total)
         slots = self.ops.arr(step.slot_mapping)[:total] if self.ops.cpu else step.slot_mapping
         if self.fingerprints is not None and self.ops.cpu:
@@ -290,6 +297,21 @@ class BlockTableCanary:
             return None
         self.slots_read += int(read)
         return b["prefix"][:n], b["extend"][:n]
+
+    def _stage_tokens_compiled(self, step: AttentionStep, ids: np.ndarray, prefix: np.ndarray, extend: np.ndarray):
+        """On the numba CPU backend, with every row stamped at once: the step's token ids,
+        positions and slots into the monitor's token buffers in one compiled call (see
+        :func:`~kvcanary_cupy.backends.numba_cpu.stage_tokens`). Returns the longest row's
+        token count, or None where the general path stages them (another backend, more
+        tokens than the buffers hold, lengths that are no layout of the step's tokens)."""
+        if not self.ops.cpu or cpu_backend() != "numba" or ids.shape[0] > self.max_tokens:
+            return None
+        slots = host_view(step.slot_mapping)
+        if slots.ndim != 1 or slots.shape[0] < ids.shape[0]:
+            return None
+        t = self._tokens
+        longest = backend_for("cpu").stage_tokens(ids, prefix, extend, slots, t["ids"], t["pos"], t["loc"])
+        return None if longest < 0 else int(longest)
 
     def _stage_rows(self, rows: np.ndarray, prefix: np.ndarray, extend: np.ndarray, idx: np.ndarray, ptr,
                     rows_from=None) -> None:
