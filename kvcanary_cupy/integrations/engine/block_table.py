@@ -332,8 +332,8 @@ class BlockTableCanary:
         k, b = idx.size, self._rows
         if self.fingerprints is not None and self.ops.cpu:
             self.fingerprints.gather_reads(self.table, b["rows"][:k], b["prefix"][:k])
-        self.monitor.before_forward(batch_size=k, expected=self.expected.tokens(),
-                                    request_ids=[step.tags[i] for i in idx], stream=ptr)
+        tags = list(step.tags) if k == len(step.tags) else [step.tags[i] for i in idx.tolist()]
+        self.monitor.before_forward(batch_size=k, expected=self.expected.tokens(), request_ids=tags, stream=ptr)
         self.open = True
 
     def _after(self, step: AttentionStep, extend: list, idx: np.ndarray, others: np.ndarray, ids: np.ndarray,

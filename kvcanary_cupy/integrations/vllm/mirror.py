@@ -58,6 +58,9 @@ class RequestMirror:
         self.groups = int(groups)
         self.live: dict = {}
         self.scheduled: list = []  # this step's RequestTokens, scheduler order
+        # What the steps so far exercised: requests (re)admitted with prefix-cache hits, and
+        # prefill steps that left part of their prompt for a later step.
+        self.prefix_hits = self.chunked_prefills = 0
 
     def apply(self, meta) -> list:
         """Take a step's metadata; returns the ids that left (finished or preempted) before it."""
@@ -81,7 +84,10 @@ class RequestMirror:
                 r.prompt_len = e.prompt_len
             r.computed, r.scheduled = e.computed, e.scheduled
             r.admitted = e.blocks is not None
+            if r.prompt_len > e.computed + e.scheduled:
+                self.chunked_prefills += 1
             if e.blocks is not None:
+                self.prefix_hits += e.computed > 0
                 r.blocks = tuple(list(b) for b in e.blocks)
             elif e.new_blocks is not None:
                 for mine, new in zip(r.blocks, e.new_blocks):

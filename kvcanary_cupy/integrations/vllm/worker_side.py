@@ -77,9 +77,7 @@ class WorkerSide:
         self.cancel_unavailable = 0
         self.cancel_count = 0  # requests handed to vLLM's failure path
         self.host_seconds = 0.0
-        # What the steps exercised (read from the metadata): requests preempted, admitted with
-        # prefix-cache hits, and prefills split over several steps.
-        self.preempted = self.prefix_hits = self.chunked_prefills = 0
+        self.preempted = 0  # requests preempted (the mirror counts prefix hits and chunked prefills)
         self._step = None  # (per group AttentionStep) between start_load_kv and wait_for_save
         self.row_keys = RowKeyReader()
         self.cpu_backend = None  # what runs a CPU engine's checks ("numpy" or "numba"); None on a GPU
@@ -138,11 +136,6 @@ class WorkerSide:
             for rid in self.mirror.apply(meta):
                 self._request_left(rid)
             self.preempted += len(meta.preempted)
-            for s in self.mirror.scheduled:
-                if s.admitted and s.computed:
-                    self.prefix_hits += 1
-                if s.prompt_len > s.computed + s.scheduled:  # a decode step's requests are past their prompt
-                    self.chunked_prefills += 1
             md = getattr(forward_context, "attn_metadata", None) if forward_context is not None else None
             if not md or not self.groups:
                 self.empty_steps += 1
@@ -239,7 +232,7 @@ class WorkerSide:
         return {"steps": self.steps, "empty_steps": self.empty_steps, "violations": len(self.found),
                 "cancelled": self.cancel_count, "cancel_unavailable": self.cancel_unavailable,
                 "rows_unmatched": self.rows_unmatched, "preempted": self.preempted,
-                "prefix_hits": self.prefix_hits, "chunked_prefills": self.chunked_prefills,
+                "prefix_hits": self.mirror.prefix_hits, "chunked_prefills": self.mirror.chunked_prefills,
                 "cpu_backend": self.cpu_backend, "host_seconds": self.host_seconds,
                 "host_us_per_step": 1e6 * self.host_seconds / self.steps if self.steps else 0.0,
                 "slots_checked": sum(p["slots_checked"] for p in per.values()),
