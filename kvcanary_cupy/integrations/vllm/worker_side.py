@@ -18,12 +18,16 @@ import importlib.util
 import logging
 import os
 import time
+import typing
+
+import numpy as np
 
 from ...backends import use_cpu_backend
 from ...format import RealKvMode
 from ...monitor.policy import KvCanaryError, warn
 from ..engine.block_table import AttentionStep, BlockTableCanary
 from ..engine.policy import IncidentPolicy
+from ..engine.step_arrays import host_view
 from ..engine.tables import RowPool
 from ..engine.violations import EngineViolation
 from .config import monitor_options
@@ -144,7 +148,10 @@ class WorkerSide:
                 raise ValueError("kvcanary: micro-batching (DBO) splits a step's attention metadata; the connector "
                                  "cannot watch it")
             self.steps += 1
-            first = md[self.groups[0].layers[0]]
+            metas = [md[g.layers[0]] for g in self.groups]
+            if self.cpu_backend is not None:  # a CPU engine's tensors as NumPy views, taken once a step
+                metas = [HostMetadata.of(a) for a in metas]
+            first = metas[0]
             stream = None if self.cpu_backend is not None else self._stream(first)
             keys = self.row_keys.read(first, stream)  # the lengths attention reads, on the host
             states, unmatched = match_rows(keys, self.mirror, block_size=self.groups[0].block_size)
@@ -153,8 +160,7 @@ class WorkerSide:
             qsl, seq = keys[0], keys[1]
             tags, tokens = [s.request_id for s in states], _step_tokens(states)
             steps = []
-            for g in self.groups:
-                a = md[g.layers[0]]
+            for g, a in zip(self.groups, metas):
                 steps.append(AttentionStep(
                     rows=list(rows), tags=tags, states=states, fresh=list(fresh),
                     block_table=a.block_table, seq_lens=a.seq_lens, query_start_loc=a.query_start_loc,
@@ -251,6 +257,19 @@ class WorkerSide:
             if self._previous_cpu_backend is not None:
                 use_cpu_backend(self._previous_cpu_backend)
                 self._previous_cpu_backend = None
+
+
+class HostMetadata(typing.NamedTuple):
+    """What the canary reads of a CPU engine's attention metadata, as NumPy views of its tensors."""
+
+    block_table: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    slot_mapping: np.ndarray
+
+    @classmethod
+    def of(cls, md) -> "HostMetadata":
+        return cls(*(host_view(getattr(md, f)) for f in cls._fields))
 
 
 def _step_tokens(states) -> list:
