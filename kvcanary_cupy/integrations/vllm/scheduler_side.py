@@ -66,8 +66,8 @@ class SchedulerSide:
         have = self.sent.get(rid, 0)
         end = computed + scheduled
         tokens = req.all_token_ids[have:end] if end > have else []  # a slice: a list of its own
-        self.sent[rid] = max(have, have + len(tokens))
-        return ScheduledRequest(request_id=rid, computed=computed, scheduled=int(scheduled), tokens=tokens,
-                                blocks=None if blocks is None else tuple(list(b) for b in blocks),
-                                new_blocks=None if new_blocks is None else tuple(list(b) for b in new_blocks),
-                                prompt_len=int(req.num_prompt_tokens) if blocks is not None else 0)
+        self.sent[rid] = have + len(tokens)
+        return ScheduledRequest(rid, computed, int(scheduled), tokens,
+                                None if blocks is None else tuple(map(list, blocks)),
+                                None if new_blocks is None else tuple(map(list, new_blocks)),
+                                int(req.num_prompt_tokens) if blocks is not None else 0)
