@@ -916,7 +916,7 @@ class KvCanary:
         take every poll's counters, a process group agrees on every poll)."""
         if self._agreement is not None or self._outputs.metrics is not None or len(self._outputs.folder):
             return None
-        return (int(self.log.head[0]), int(self.log.counter_array[_WRITES_SKIPPED]),
+        return (self.log.head.item(0), self.log.counter_array.item(_WRITES_SKIPPED),
                 *(c for g in self.groups for c in g.reported()))
 
     def _window_rows(self, stop: int) -> list:

@@ -217,7 +217,7 @@ class Group:
     def reported(self) -> tuple:
         """The cumulative counters of :attr:`sc` that a poll warns about when they grow (read
         in place: a CPU group's; see :meth:`counts`)."""
-        return tuple(int(self.sc[i]) for i in _REPORTED)
+        return tuple(map(self.sc.item, _REPORTED))
 
     @staticmethod
     def counts(sc: np.ndarray) -> dict:

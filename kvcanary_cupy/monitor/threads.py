@@ -53,6 +53,8 @@ class CallGuard:
     """Which thread the monitor serves now: the one inside a call (holding ``lock``, an RLock,
     so a call may make others), and the one whose step is open."""
 
+    __slots__ = ("lock", "depth", "inside", "inside_call", "step_thread")
+
     def __init__(self):
         self.lock = threading.RLock()
         self.depth = 0  # guarded calls the holder of the lock is inside
