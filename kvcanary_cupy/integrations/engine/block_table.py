@@ -190,18 +190,18 @@ class BlockTableCanary:
         if staged is None:
             prefix, extend, extend_list = self._lengths(step, n)
             self.slots_read += sum(prefix.tolist())
+            # A step has a few rows: its lengths' sums and maxima are taken in Python (a NumPy
+            # reduction of 8 numbers costs several microseconds in an engine step's cold caches).
+            ends = [p + e for p, e in zip(prefix.tolist(), extend_list)]
         else:
             prefix, extend = staged
-            extend_list = extend.tolist()
+            extend_list, ends = extend.tolist(), self.valid[:n].tolist()
         if step.deferred is None:
             now, later = _every_row(n), _NO_ROWS
         else:
             deferred = np.asarray(step.deferred, dtype=bool)
             now, later = np.flatnonzero(~deferred), np.flatnonzero(deferred)
         self.deferred_rows += int(later.size)
-        # A step has a few rows: its lengths' sums and maxima are taken in Python (a NumPy
-        # reduction of 8 numbers costs several microseconds in an engine step's cold caches).
-        ends = [p + e for p, e in zip(prefix.tolist(), extend_list)]
         self.expected.reserve(max(ends), None)
         self.expected.fill(step.rows, step.states, ends, step.fresh)
         bt = step.block_table
