@@ -12,6 +12,12 @@ validity checks on every index that comes from data, the same counters, the same
 violation rows in the same order. Violation rows are rare: the compiled loops collect
 them, and the reference's own ring append stores them. The scatter of expected tokens
 and the tensor-parallel digests are not on a step's hot path and run on the reference.
+
+Beside the ops, the CPU side of an engine integration compiled on this backend: the
+gather of a CPU attention layout's K/V bytes (:mod:`kvcanary_cupy.integrations.engine.kv_layout`)
+and the staging of a block-table step's rows and tokens into the monitor's buffers
+(:mod:`kvcanary_cupy.integrations.engine.block_table`), each one call a step where NumPy
+would make a dozen small ones.
 """
 from __future__ import annotations
 
