@@ -382,13 +382,17 @@ class BlockTableCanary:
         blocks = [1, 2]
         slot = [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(3)]
         request = types.SimpleNamespace(initial_tokens=[1, 2, 3], generated_tokens=[])
-        prefill = AttentionStep(rows=[1], tags=["compile-ahead"], states=[request], fresh=[True],
-                                block_table=np.array([blocks], dtype=np.int32), seq_lens=np.array([2]),
-                                query_start_loc=np.array([0, 2]), slot_mapping=np.array(slot[:2]), tokens=[1, 2])
-        decode = dataclasses.replace(prefill, fresh=[False], seq_lens=np.array([3]), query_start_loc=np.array([0, 1]),
-                                     slot_mapping=np.array(slot[2:]), tokens=[3])
+        steps = []
+        for lengths in (np.int32, np.int64):  # an engine's lengths come in either (vLLM's: int32)
+            prefill = AttentionStep(rows=[1], tags=["compile-ahead"], states=[request], fresh=[True],
+                                    block_table=np.array([blocks], dtype=np.int32), seq_lens=np.array([2], lengths),
+                                    query_start_loc=np.array([0, 2], lengths), slot_mapping=np.array(slot[:2]),
+                                    tokens=[1, 2])
+            steps += [prefill, dataclasses.replace(prefill, fresh=[False], seq_lens=np.array([3], lengths),
+                                                   query_start_loc=np.array([0, 1], lengths),
+                                                   slot_mapping=np.array(slot[2:]), tokens=[3])]
         try:
-            for step in (prefill, decode):
+            for step in steps:
                 spare.check_reads(step)
                 spare.stamp_writes(step)
         finally:
