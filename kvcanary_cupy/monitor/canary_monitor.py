@@ -24,9 +24,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .. import ops, runtime, transfer
-from ..format import CTR_WRITES_SKIPPED as _WRITES_SKIPPED
 from ..canary import CanaryBuffer, RealKvSource
-from ..format import DEFAULT_CHAIN, LaunchTag, RealKvMode
+from ..format import CTR_WRITES_SKIPPED, DEFAULT_CHAIN, LaunchTag, RealKvMode
 from ..plans import ExpectedTokens, SwaWindow, VerifyPlan, WritePlan
 from ..violations import Violation
 from .group import SwaGroup
@@ -916,7 +915,7 @@ class KvCanary:
         take every poll's counters, a process group agrees on every poll)."""
         if self._agreement is not None or self._outputs.metrics is not None or len(self._outputs.folder):
             return None
-        return (self.log.head.item(0), self.log.counter_array.item(_WRITES_SKIPPED),
+        return (self.log.head.item(0), self.log.counter_array.item(CTR_WRITES_SKIPPED),
                 *(c for g in self.groups for c in g.reported()))
 
     def _window_rows(self, stop: int) -> list:
