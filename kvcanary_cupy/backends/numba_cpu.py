@@ -106,28 +106,14 @@ def _next_link(link, token, position, scan):
 
 
 @_jit
-def _fingerprint(words, ks, slot):
-    """The real-KV fingerprint of ``slot``: over every source (``words[i]``: uint64
-    ``[layers, slots, words]``, of which the first ``ks[i]`` are hashed) and layer in
-    order, ``acc = splitmix64(acc ^ fold)``, each layer's fold ``splitmix64(f ^ w)`` over
-    its words."""
-    acc = _U(0)
-    for i in range(len(words)):
-        w = words[i]
-        for layer in range(w.shape[0]):
-            f = _U(0)
-            for j in range(ks[i]):
-                f = _splitmix64(f ^ w[layer, slot, j])
-            acc = _splitmix64(acc ^ f)
-    return acc
-
-
-@_jit
-def _fingerprints_of(words, ks, slots, n, num_slots):
-    """:func:`_fingerprint` of the slot of each of entries ``[0, n)`` (an entry whose slot is
-    outside the pool gets slot 0's, which nothing reads), computed a layer and a word at a time
-    across the entries: their hashes are independent, so they run side by side (and in vector
-    lanes) instead of one chain at a time."""
+def _fingerprints(words, ks, slots, num_slots):
+    """The real-KV fingerprint of each slot of ``slots`` (uint64 ``[len(slots)]``; a slot outside
+    ``[0, num_slots)`` gets slot 0's, which nothing reads): over every source (``words[i]``:
+    uint64 ``[layers, slots, words]``, of which the first ``ks[i]`` are hashed) and layer in
+    order, ``acc = splitmix64(acc ^ fold)``, each layer's fold ``splitmix64(f ^ w)`` over its
+    words. Computed a layer and a word at a time across the slots: their hashes are
+    independent, so they run side by side (and in vector lanes) instead of one chain at a time."""
+    n = slots.shape[0]
     at = np.empty(n, dtype=np.int64)
     for e in range(n):
         s = np.int64(slots[e])
@@ -325,8 +311,21 @@ def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens,
     counters[_CTR_CHECKED] += n
     flagged = np.empty(n, dtype=np.int64)
     notes = np.empty((n, 3), dtype=np.int64)
-    # Every entry's fingerprint at once where every entry takes one (no sampling).
-    live = _fingerprints_of(words, ks, slots, n, N) if fp_on and period == 0 else np.empty(0, dtype=np.uint64)
+    # The fingerprints of the entries this launch samples (all of them without a period), at once.
+    if fp_on and period == 0:
+        live = _fingerprints(words, ks, slots[:n], N)
+    else:
+        live = np.zeros(n, dtype=np.uint64)
+    if fp_on and period > 0:
+        picked = np.empty(n, dtype=np.int64)
+        m = 0
+        for e in range(n):
+            if np.int64(slots[e]) % period == phase:
+                picked[m] = e
+                m += 1
+        fps = _fingerprints(words, ks, slots[picked[:m]], N)
+        for i in range(m):
+            live[picked[i]] = fps[i]
     k = 0
     for e in range(n):
         slot, prev, pos, tok = np.int64(slots[e]), np.int64(prevs[e]), np.int64(epos[e]), np.int64(etok[e])
@@ -351,9 +350,7 @@ def _verify(rec, scan, slots, prevs, epos, etok, n, counters, tag, check_tokens,
             bits |= _TOK
         live_fp = stored_fp
         if period == 0 or slot % period == phase:
-            live_fp = np.int64(0)
-            if fp_on:
-                live_fp = np.int64(live[e]) if period == 0 else np.int64(_fingerprint(words, ks, slot))
+            live_fp = np.int64(live[e])
             if live_fp != stored_fp:
                 bits |= _REAL_KV
         if bits:
@@ -412,6 +409,7 @@ def _write(rec, scan, offsets, seeds, nrows, position_check, ids, poss, locs, ex
     N = rec.shape[0]
     out = np.empty((0, _WORDS), dtype=np.int64)
     k = 0
+    fps = _fingerprints(words, ks, locs[:avail], N) if fp_on else np.zeros(0, dtype=np.uint64)
     live = np.zeros(nrows, dtype=np.bool_)
     for r in range(nrows):  # spans out of range: a forged plan's rows, reported
         o0, o1, seed = offsets[r], offsets[r + 1], seeds[r]
@@ -477,7 +475,7 @@ def _write(rec, scan, offsets, seeds, nrows, position_check, ids, poss, locs, ex
                 rec[loc, _TOKEN] = tok
                 rec[loc, _POSITION] = pos
                 rec[loc, _LINK] = np.int64(link)
-                rec[loc, _FP] = np.int64(_fingerprint(words, ks, loc)) if fp_on else np.int64(0)
+                rec[loc, _FP] = np.int64(fps[t]) if fp_on else np.int64(0)
                 written += 1
             if bits:
                 if k == out.shape[0]:
